@@ -1,0 +1,33 @@
+# Set-up and the two README commands. Everything a fresh machine needs is installed here, into .venv.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test lint clean
+
+venv: $(VENV)/.installed
+
+# torch first and alone: `pip install torch==2.13.0` takes the CPU wheel on disk; asked for through
+# another package's requirements pip could pick a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: venv
+	./launch.sh
+	$(BIN)/python tools/status.py outputs/tiny
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+lint: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf outputs models .pytest_cache

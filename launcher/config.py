@@ -1,0 +1,156 @@
+"""The job's typed schema, and composing a job config from `conf/NAME.yaml` plus overrides.
+
+YAML files only pick values; every key and its type are declared here, so a misspelt key fails at compose time.
+We use Hydra's compose API rather than `@hydra.main`: under torchrun every rank composes the same config, and
+compose creates no run folder, changes no working directory and installs no logging handlers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # hub id or local folder of a diffusers pipeline
+    dtype: str = "bfloat16"
+    shard_text_encoder: bool = True
+    shard_transformer: bool = True
+    # Extra keyword arguments for the pipeline call that a model family needs (e.g. which encoder layers to use).
+    call_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A builder that creates `path` when it is missing (only for the project's own tiny test model).
+    build: str | None = None
+    license: str = ""
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1
+    tp: int = 1
+    nodes: int = 1
+
+
+@dataclass
+class DatasetConfig:
+    path: str = MISSING
+    prompt_column: str = "prompt"
+    id_column: str | None = None
+    limit: int | None = None
+
+
+@dataclass
+class GenerateConfig:
+    height: int = 1024
+    width: int = 1024
+    num_inference_steps: int = 28
+    guidance_scale: float = 4.0
+    max_sequence_length: int = 512
+    batch_size: int = 1
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    shard_size: int = 256
+    shards: Any = "pending"  # pending | failed | all | [i, ...]
+    overwrite: bool = False
+    on_error: str = "continue"  # continue | abort
+    stale: str = "error"  # error | regenerate | keep: what to do with done shards whose prompts changed
+    timeout_s: int = 600  # process-group timeout: how long a rank waits on a silent peer
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "${repo:}/outputs/${name}"
+    png: bool = True
+    parquet: bool = True
+
+
+@dataclass
+class ExecutionConfig:
+    mode: str = "eager"  # eager | defer_and_fuse | compile
+    offload: str = "none"  # none | model
+    compile_cache_dir: str | None = None
+
+
+@dataclass
+class WorkersConfig:
+    index: int | None = None  # None: from the scheduler's environment, else 0
+    count: int | None = None
+
+
+@dataclass
+class TestingConfig:
+    fail_shards: list[int] = field(default_factory=list)
+
+
+@dataclass
+class JobConfig:
+    name: str = MISSING  # the conf file's name, set by load_config
+    device: str = "auto"  # auto | tpu | cuda | cpu
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
+
+
+ConfigStore.instance().store(name="schema", node=JobConfig)
+if not OmegaConf.has_resolver("repo"):
+    OmegaConf.register_new_resolver("repo", lambda: str(REPO_ROOT))
+
+
+def available_confs() -> list[str]:
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+
+
+def split_args(args: list[str]) -> tuple[str, list[str]]:
+    """`conf=NAME` picks the job; every other argument is a Hydra override."""
+    conf, overrides = "tiny", []
+    for arg in args:
+        if arg.startswith("conf="):
+            conf = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return conf, overrides
+
+
+def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictConfig:
+    """Compose `conf/<conf>.yaml` with `overrides`; raise ConfigError with one clear line if that fails."""
+    if conf not in available_confs():
+        raise ConfigError(f"unknown conf={conf!r}; available: {', '.join(available_confs())}")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=conf, overrides=[f"name={conf}", *(overrides or [])])
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_one_line(e)) from None
+    return cfg
+
+
+def _one_line(e: Exception) -> str:
+    # Hydra wraps the useful message (e.g. "Key 'heigth' not in 'GenerateConfig'") in a multi-line text.
+    cause = e.__cause__ or e
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    for ln in lines:
+        if ln.startswith("full_key:"):
+            text += f" ({ln})"
+    return f"bad configuration: {text}"

@@ -1,0 +1,191 @@
+"""The launcher: `./launch.sh [--dry-run] [conf=NAME] [overrides]` execs this process.
+
+It composes and checks the job once (exit 2 on bad input, before any worker starts), takes the output folder's
+lock (exit 4), then supervises dp*tp workers through torch's elastic launch, in-process: the same machinery as
+the `torchrun` command, but this process stays the workers' parent, so a SIGTERM sent to it alone reaches every
+worker, and it can map the outcome to the contract's exit codes (torchrun itself reports any failure as 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchPlan:
+    env: dict[str, str] = field(default_factory=dict)  # set before torch is imported, inherited by workers
+    tpu_launch_env: bool = False  # torch.tpu.distributed.set_tpu_launch_env(...) in this process first
+    torchrun_args: list[str] = field(default_factory=list)
+
+    def describe(self, nproc: int, nnodes: int) -> list[str]:
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        if self.tpu_launch_env:
+            lines.append(
+                f'eval "$(python -m torch.tpu.distributed)"  # TorchTPU launch env: '
+                f"set_tpu_launch_env(nnodes={nnodes}, nproc_per_node={nproc})"
+            )
+        lines.append(shlex.join(["torchrun", *self.torchrun_args]))
+        return lines
+
+
+def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan:
+    nproc = cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))} if device == "cpu" else {}
+    if cfg.execution.mode == "defer_and_fuse":
+        env["TORCH_TPU_DEFER_AND_FUSE"] = "1"
+    if cfg.mesh.nodes == 1:
+        rdzv = ["--standalone", "--nnodes=1"]
+    else:  # every host runs this same command; NODE_RANK and MASTER_ADDR come from the scheduler or TorchTPU
+        rdzv = [
+            f"--nnodes={cfg.mesh.nodes}",
+            f"--node-rank={os.environ.get('NODE_RANK', '0')}",
+            f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+            f"--master-port={os.environ.get('MASTER_PORT', '29500')}",
+        ]
+    args = [
+        *rdzv,
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        "launcher.worker",
+        f"conf={conf}",
+        *overrides,
+    ]
+    return LaunchPlan(env=env, tpu_launch_env=device == "tpu", torchrun_args=args)
+
+
+def run_elastic(args: list[str]) -> int:
+    """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        logger.error("rank %d failed first, exit code %s", rank, failure.exitcode)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as e:
+        logger.error("stopped by signal %s; done shards are kept, rerun the same command to finish", e.sigval)
+        return 128 + int(e.sigval)
+    return EXIT_OK
+
+
+def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
+    from launcher import ledger
+    from launcher.lock import RunLock
+    from launcher.workers import resolve_workers
+
+    out = Path(cfg.output.dir)
+    if not cfg.run.overwrite:
+        ledger.check_run_json(out, cfg)
+    shards, selected = ledger.plan(cfg)  # validates the selection before anything is written
+    index, _ = resolve_workers(cfg)
+    with RunLock(out, index):
+        if cfg.run.overwrite:
+            ledger.discard_outputs(out)
+            shards, selected = ledger.plan(cfg)
+        ledger.check_run_json(out, cfg)
+        ledger.write_run_json(out, cfg, shards)
+        if not selected:
+            logger.info("nothing to do: every selected shard of %s is done", out)
+            return EXIT_OK
+        logger.info(
+            "generating %d shards (%d samples) into %s", len(selected), sum(len(shards[i].rows) for i in selected), out
+        )
+        os.environ.update(plan_.env)
+        if plan_.tpu_launch_env:
+            set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
+        start = time.time()
+        code = run_elastic(plan_.torchrun_args)
+        status = {i: (ledger.read_state(out, i) or {}).get("status", "pending") for i in selected}
+    failed = sorted(i for i, s in status.items() if s == "failed")
+    done = sum(s == "done" for s in status.values())
+    logger.info(
+        "%d of %d shards done, %d failed, in %.1f s; outputs in %s",
+        done,
+        len(selected),
+        len(failed),
+        time.time() - start,
+        out,
+    )
+    if failed:
+        logger.warning(
+            "failed shards %s; rerun them with: ./launch.sh conf=%s %s", failed, conf, shlex.join([*overrides])
+        )
+    if code == EXIT_OK and failed:
+        return EXIT_SHARDS_FAILED
+    return code
+
+
+def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
+    """TorchTPU's launch environment, decided once here before workers spawn (every rank must agree on it)."""
+    import torch
+
+    tpu_dist = getattr(getattr(torch, "tpu", None), "distributed", None)
+    if tpu_dist is not None and hasattr(tpu_dist, "set_tpu_launch_env"):
+        tpu_dist.set_tpu_launch_env(nnodes=nnodes if nnodes > 1 else None, nproc_per_node=nproc_per_node)
+        return
+    try:  # torch_tpu before 0.2.0: the seed guide's internal wrapper
+        from torch_tpu._internal.distributed.launchers import singlehost_wrapper  # noqa: F401
+    except ImportError:
+        from launcher.dist import TPU_INSTALL_HINT
+
+        raise ConfigError(f"cannot set up the TPU launch environment: {TPU_INSTALL_HINT} (0.2.0 or newer)") from None
+    raise ConfigError(
+        "torch_tpu is older than 0.2.0 (no torch.tpu.distributed.set_tpu_launch_env); "
+        'upgrade it: pip install -e ".[tpu]"'
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launcher.logs import setup_logging
+
+    setup_logging(0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    try:
+        from launcher.checks import preflight
+        from launcher.config import load_config, split_args
+        from launcher.dist import resolve_device
+
+        conf, overrides = split_args(argv)
+        cfg = load_config(conf, overrides)
+        device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
+        plan_ = launch_plan(cfg, conf, overrides, device)
+        if dry_run:
+            print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
+            return EXIT_OK
+        ensure_model(cfg)
+        preflight(cfg)
+        return supervise(cfg, conf, overrides, plan_)
+    except (ConfigError, LockHeld) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def ensure_model(cfg) -> None:
+    """Build the project's own tiny model on first use (the only model that can be built rather than loaded)."""
+    if cfg.model.build and not Path(cfg.model.path).exists():
+        if cfg.model.build != "tiny_flux2":
+            raise ConfigError(f"model.build={cfg.model.build!r} is unknown; the only builder is tiny_flux2")
+        from launcher.tiny_model import build_tiny_flux2
+
+        build_tiny_flux2(cfg.model.path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Rank-prefixed logging: rank 0 logs at INFO, the other ranks only warnings, unless MESHGEN_VERBOSE=1."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def setup_logging(rank: int | None = None) -> None:
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    verbose = os.environ.get("MESHGEN_VERBOSE") == "1"
+    level = logging.INFO if rank == 0 or verbose else logging.WARNING
+    logging.basicConfig(
+        level=level,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    if not verbose:
+        # The libraries' routine warnings and progress bars drown our own lines; MESHGEN_VERBOSE=1 shows them.
+        for name in ("diffusers", "transformers", "torch.distributed", "huggingface_hub"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)

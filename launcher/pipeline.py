@@ -1,0 +1,105 @@
+"""Load a diffusers pipeline with its text encoder and transformer sharded over the mesh's `tp` axis.
+
+Each rank reads only its own slice: diffusers shards the transformer while reading (`TensorParallelConfig`),
+transformers shards the text encoder (`DistributedConfig`). Components without a tensor-parallel plan are
+replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def component_classes(path: str) -> dict[str, tuple[str, str]]:
+    """model_index.json of a local folder or a cached hub pipeline: component -> (library, class name)."""
+    from diffusers import DiffusionPipeline
+
+    index = (
+        json.loads((Path(path) / "model_index.json").read_text())
+        if Path(path).is_dir()
+        else DiffusionPipeline.load_config(path)
+    )
+    return {k: tuple(v) for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v[0]}
+
+
+def _cls(lib_and_name: tuple[str, str]):
+    return getattr(importlib.import_module(lib_and_name[0]), lib_and_name[1])
+
+
+@contextlib.contextmanager
+def cpu_tp_shims(device_type: str):
+    """diffusers 0.42 tensor parallelism on CPU (gloo), which only tests and the demo use.
+
+    Two CPU-only obstacles, both in diffusers' TP loading: its list of TP devices lacks "cpu", and it picks the
+    rank's device as `rank % torch.accelerator.device_count()`, which is 0 on CPU (ZeroDivisionError). On TPU
+    and CUDA this is a no-op.
+    """
+    if device_type != "cpu":
+        yield
+        return
+    import diffusers.hooks.tensor_parallel as tp_hooks
+
+    saved_devices, saved_count = tp_hooks._SUPPORTED_TP_DEVICES, torch.accelerator.device_count
+    tp_hooks._SUPPORTED_TP_DEVICES = (*saved_devices, "cpu")
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        tp_hooks._SUPPORTED_TP_DEVICES, torch.accelerator.device_count = saved_devices, saved_count
+
+
+def text_encoder_has_tp_plan(path: str, cls) -> bool:
+    config = cls.config_class.from_pretrained(path, subfolder="text_encoder")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "base_model_tp_plan", None) or getattr(cls, "_tp_plan", None))
+
+
+def load_pipeline(cfg, device: torch.device, mesh):
+    """The pipeline on `device`, with components sharded over `mesh["tp"]` as the config asks."""
+    from diffusers import DiffusionPipeline
+
+    path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
+    tp, dp = cfg.mesh.tp, cfg.mesh.dp
+    classes = component_classes(path)
+    parts = {}
+    if tp > 1 and cfg.model.shard_transformer and "transformer" in classes:
+        from diffusers import TensorParallelConfig
+
+        with cpu_tp_shims(device.type):
+            parts["transformer"] = _cls(classes["transformer"]).from_pretrained(
+                path,
+                subfolder="transformer",
+                torch_dtype=dtype,
+                parallel_config=TensorParallelConfig(mesh=mesh["tp"]),
+            )
+        logger.info("transformer sharded over tp=%d", tp)
+    te_cls = _cls(classes["text_encoder"]) if "text_encoder" in classes else None
+    if tp > 1 and cfg.model.shard_text_encoder and te_cls is not None and text_encoder_has_tp_plan(path, te_cls):
+        from transformers import DistributedConfig
+
+        # transformers builds its own (dp, tp) mesh with the same tp groups as ours on CPU and CUDA; on TPU
+        # its groups may not follow our topology-aware layout, which costs speed, not correctness.
+        parts["text_encoder"] = te_cls.from_pretrained(
+            path,
+            subfolder="text_encoder",
+            dtype=dtype,
+            distributed_config=DistributedConfig(tp_size=tp, dp_replicate_size=dp),
+        )
+        logger.info("text encoder sharded over tp=%d", tp)
+    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
+    if cfg.execution.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,103 @@
+"""Work is addressed by shard and sample, never by process: shard ids, seeds and assignment live here.
+
+A shard is `run.shard_size` consecutive rows of the prompt source (shard i holds rows i*size ... (i+1)*size-1),
+so appending prompts never reshuffles existing shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+# Settings that determine the images. Everything else (mesh, batch size, workers, execution mode,
+# dataset.limit, testing.*) only decides how the work is run, and may change between runs of one job.
+FINGERPRINT_KEYS = {
+    "model": ("path", "dtype", "call_kwargs"),
+    "generate": ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length", "seed"),
+    "run": ("shard_size",),
+}
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    rows: tuple[dict, ...]
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}"
+
+    @property
+    def fingerprint(self) -> str:
+        return prompts_fingerprint(self.rows)
+
+
+def cut_shards(rows: list[dict], shard_size: int) -> list[Shard]:
+    return [Shard(i // shard_size, tuple(rows[i : i + shard_size])) for i in range(0, len(rows), shard_size)]
+
+
+def prompts_fingerprint(rows) -> str:
+    """Hash of what a shard's rows contribute to its images: ids, prompts and per-row overrides."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def settings(cfg) -> dict:
+    """The settings that determine the images, as a plain dict (the part of run.json that is fingerprinted)."""
+    return {group: {k: _plain(cfg[group][k]) for k in keys} for group, keys in FINGERPRINT_KEYS.items()}
+
+
+def settings_fingerprint(cfg) -> str:
+    return hashlib.sha256(json.dumps(settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plain(v):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+
+
+def sample_seed(base_seed: int, sample_id: str) -> int:
+    """The seed of one sample: the first 8 bytes of sha256("<generate.seed>:<id>"), as a non-negative int64.
+
+    It depends on nothing but the job's seed and the sample's id, so any mesh, batch size or rerun gives the
+    same image; a row's own `seed` column takes precedence (see `row_seed`).
+    """
+    digest = hashlib.sha256(f"{base_seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def row_seed(row: dict, base_seed: int) -> int:
+    return int(row["seed"]) if row.get("seed") is not None else sample_seed(base_seed, row["id"])
+
+
+def worker_shards(shard_ids: list[int], index: int, count: int) -> list[int]:
+    """This worker's share of the shards: shard i belongs to worker i % count."""
+    return [i for i in shard_ids if i % count == index]
+
+
+def replica_shards(shard_ids: list[int], replica: int, dp: int) -> list[int]:
+    """dp replica r takes every dp-th of the selected shards, so a rerun of a few shards is still spread evenly."""
+    return sorted(shard_ids)[replica::dp]
+
+
+def parse_selection(spec, n_shards: int) -> str | list[int]:
+    """`run.shards`: pending | failed | all | a list of shard indices (checked against the shard count)."""
+    from launcher.errors import ConfigError
+
+    if isinstance(spec, str) and spec in ("pending", "failed", "all"):
+        return spec
+    try:
+        ids = [int(i) for i in (spec if not isinstance(spec, (str, int)) else [spec])]
+    except (TypeError, ValueError):
+        raise ConfigError(f"run.shards={spec!r} is not pending, failed, all or a list like [0,3]") from None
+    bad = [i for i in ids if not 0 <= i < n_shards]
+    if bad:
+        raise ConfigError(
+            f"run.shards names shards {bad} that do not exist: the dataset has {n_shards} shards (0..{n_shards - 1})"
+        )
+    return sorted(set(ids))

@@ -1,0 +1,119 @@
+"""A tiny random-weight FLUX.2 pipeline, built offline and deterministically.
+
+The real checkpoints cannot be downloaded here, so tests and the demo run on this: the same classes and the
+same loading path as FLUX.2-dev, with layer sizes small enough to run on two CPU cores. Every random draw is
+seeded, so two builds give identical weights and hence identical images.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# A fixed byte-level vocabulary (no merges) needs no training corpus, so the tokenizer is the same every time.
+_SPECIAL = ["<pad>", "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
+_CHAT_TEMPLATE = (
+    "<s>{% for m in messages %}{% set text = m['content'][0]['text'] %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL + sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(_SPECIAL)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=512
+    )
+    tok.chat_template = _CHAT_TEMPLATE
+    return tok, len(vocab)
+
+
+def build_tiny_flux2(out_dir: str | os.PathLike) -> Path:
+    """Write the tiny pipeline to `out_dir` (atomically: a half-built folder never appears there)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    out = Path(out_dir)
+    tokenizer, vocab_size = _tokenizer()
+    torch.manual_seed(0)
+    # 4 heads, 2 KV heads: tp=2 divides both, like the real encoder's 32/8 at tp=8.
+    te_config = Mistral3Config(
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            image_size=32,
+            patch_size=16,
+        ),
+    )
+    text_encoder = Mistral3ForConditionalGeneration(te_config).eval()
+    torch.manual_seed(1)
+    # joint_attention_dim = 2 encoder layers x hidden 32; run with text_encoder_out_layers=(1, 2).
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+    )
+    torch.manual_seed(2)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=64,
+        mid_block_add_attention=False,
+    )
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    try:
+        tmp.rename(out)
+    except OSError:
+        # Another process built it first; theirs is identical (same seeds), so keep it.
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built the tiny FLUX.2 pipeline in %s", out)
+    return out

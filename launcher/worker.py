@@ -1,0 +1,42 @@
+"""Entry of one torchrun worker process: `python -m launcher.worker conf=NAME [overrides]`."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+from launcher.logs import setup_logging
+
+
+def _die_with_parent() -> None:
+    # torchrun puts each worker in its own session, so a kill -9 of the launcher would orphan it: ask the
+    # kernel to SIGKILL this process when its parent dies (Linux; elsewhere the launcher's own cleanup is all).
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main() -> None:
+    _die_with_parent()
+    setup_logging()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from launcher.config import load_config, split_args
+    from launcher.errors import ConfigError
+    from launcher.runner import run_worker
+
+    @record  # torchrun then names the rank that failed first, with its traceback
+    def run() -> int:
+        try:
+            return run_worker(load_config(*split_args(sys.argv[1:])))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

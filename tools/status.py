@@ -1,0 +1,57 @@
+"""Per-shard status of a run folder: `python tools/status.py OUTPUT_DIR [--json]`.
+
+Reads only the run folder (run.json and state/), so it works while a run is going, after it, or on a copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from launcher.ledger import read_json, read_state
+
+
+def collect(out: Path) -> dict:
+    run = read_json(out / "run.json")
+    if run is None:
+        raise SystemExit(f"error: {out} has no run.json; is it a meshgen output folder?")
+    shards, errors = {}, {}
+    for i in range(run["shards"]):
+        st = read_state(out, i) or {}
+        shards[str(i)] = st.get("status", "pending")
+        if shards[str(i)] == "failed":
+            errors[str(i)] = st.get("error", "")
+    counts = {k: sum(v == k for v in shards.values()) for k in ("done", "failed", "pending")}
+    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"]}
+
+
+def rerun_command(out: Path, info: dict) -> str:
+    failed = [int(i) for i, s in info["shards"].items() if s == "failed"]
+    ids = "[" + ",".join(map(str, failed)) + "]"
+    return shlex.join(["./launch.sh", f"conf={info['conf']}", f"output.dir={out}", f"run.shards={ids}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the counts and per-shard status as JSON")
+    args = parser.parse_args(argv)
+    info = collect(args.output_dir)
+    if args.json:
+        print(json.dumps({k: info[k] for k in ("done", "failed", "pending", "shards")}))
+        return 0
+    total = len(info["shards"])
+    print(f"{args.output_dir}: {total} shards: {info['done']} done, {info['failed']} failed, {info['pending']} pending")
+    if info["errors"]:
+        print("failed shards:")
+        for i, err in info["errors"].items():
+            print(f"  {int(i):5d}  {err[:150]}")
+        print(f"rerun them with:\n  {rerun_command(args.output_dir, info)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
