@@ -88,5 +88,5 @@ def generate_shard(pipe, shard: Shard, cfg) -> Iterator[list[dict]]:
                 **sample_settings(row, cfg.generate),
                 "image": image,
             }
-            for row, image in zip(batch.rows[: batch.n_real], images, strict=True)
+            for row, image in zip(batch.rows[: batch.n_real], images[: batch.n_real], strict=True)
         ]

@@ -40,7 +40,11 @@ class LaunchPlan:
 
 def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan:
     nproc = cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))} if device == "cpu" else {}
+    env = {}
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # CPU matmuls split their sums by thread count, which changes the last bits of an image; one thread per
+        # worker keeps images bitwise equal whatever the mesh. An explicit OMP_NUM_THREADS wins.
+        env["OMP_NUM_THREADS"] = "1"
     if cfg.execution.mode == "defer_and_fuse":
         env["TORCH_TPU_DEFER_AND_FUSE"] = "1"
     if cfg.mesh.nodes == 1:

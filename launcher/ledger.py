@@ -85,19 +85,18 @@ def write_run_json(out: Path, cfg, shards: list[Shard]) -> None:
 
     old = read_json(out / "run.json") or {}
     shard_fps = {**old.get("shard_fingerprints", {}), **{str(s.index): s.fingerprint for s in shards}}
-    write_json(
-        out / "run.json",
-        {
-            "fingerprint": settings_fingerprint(cfg),
-            "settings": settings(cfg),
-            "config": OmegaConf.to_container(cfg),
-            "shards": max(len(shards), old.get("shards", 0)),
-            "shard_size": cfg.run.shard_size,
-            "shard_fingerprints": shard_fps,
-            "versions": versions(),
-            "created": old.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
-        },
-    )
+    new = {
+        "fingerprint": settings_fingerprint(cfg),
+        "settings": settings(cfg),
+        "config": OmegaConf.to_container(cfg),
+        "shards": max(len(shards), old.get("shards", 0)),
+        "shard_size": cfg.run.shard_size,
+        "shard_fingerprints": shard_fps,
+        "versions": versions(),
+        "created": old.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+    }
+    if new != old:  # a rerun with nothing new leaves the folder byte-identical
+        write_json(out / "run.json", new)
 
 
 def discard_outputs(out: Path) -> None:

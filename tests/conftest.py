@@ -1,0 +1,76 @@
+"""Shared fixtures: the tiny model is built once per session, and each distinct job runs once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = str(REPO / "launch.sh")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from launcher.tiny_model import build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("model") / "tiny-flux2")
+
+
+def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """Run ./launch.sh as a user would, with the test venv's Python."""
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run([LAUNCH, *args], capture_output=True, text=True, env=full_env, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="session")
+def run_job(tiny_model, tmp_path_factory):
+    """run_job(*overrides) -> output folder of the tiny job with those overrides; each distinct job runs once."""
+    cache: dict[tuple, Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in cache:
+            out = tmp_path_factory.mktemp("run")
+            res = launch(f"model.path={tiny_model}", f"output.dir={out}", *overrides)
+            assert res.returncode == 0, res.stderr[-3000:]
+            cache[overrides] = out
+        return cache[overrides]
+
+    return run
+
+
+def read_rows(out: Path) -> dict[str, dict]:
+    """Every sample of a run folder, by id, read back from its Parquet files."""
+    rows = {}
+    for f in sorted((out / "data").glob("shard-*.parquet")):
+        for r in pq.read_table(f).to_pylist():
+            assert r["id"] not in rows, f"sample {r['id']} appears twice"
+            rows[r["id"]] = r
+    return rows
+
+
+def pixels(png: bytes) -> np.ndarray:
+    import io
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+
+
+def max_diff(a: Path, b: Path) -> int:
+    ra, rb = read_rows(a), read_rows(b)
+    assert ra.keys() == rb.keys()
+    return max(int(np.abs(pixels(ra[k]["image"]["bytes"]) - pixels(rb[k]["image"]["bytes"])).max()) for k in ra)
+
+
+def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under a run folder (locks aside) with its bytes and mtime."""
+    return {
+        str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and "locks" not in p.parts
+    }

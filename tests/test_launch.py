@@ -1,0 +1,46 @@
+"""launch.sh: dry runs (what would run, for each device and mode) and the TPU install hint."""
+
+import pytest
+from conftest import launch
+
+
+def dry_run(*args):
+    res = launch("--dry-run", *args)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.splitlines()
+
+
+def test_dry_run_tiny():
+    lines = dry_run()
+    assert "export OMP_NUM_THREADS=1" in lines
+    cmd = lines[-1].split()
+    assert cmd[0] == "torchrun" and "--nproc-per-node=2" in cmd and "--standalone" in cmd
+    assert cmd[cmd.index("-m") + 1 :] == ["launcher.worker", "conf=tiny"]
+
+
+def test_dry_run_flux2_tp_needs_no_torch_tpu():
+    lines = dry_run("conf=flux2_tp", "generate.seed=3")
+    assert any("python -m torch.tpu.distributed" in ln and "nproc_per_node=8" in ln for ln in lines)
+    assert "--nproc-per-node=8" in lines[-1] and lines[-1].endswith("conf=flux2_tp generate.seed=3")
+    assert not any("TORCH_TPU_DEFER_AND_FUSE" in ln for ln in lines)
+
+
+@pytest.mark.parametrize(
+    ("mode", "env_line"), [("defer_and_fuse", "export TORCH_TPU_DEFER_AND_FUSE=1"), ("eager", None), ("compile", None)]
+)
+def test_dry_run_sets_the_mode_env_before_torch(mode, env_line):
+    lines = dry_run("conf=flux2_tp", f"execution.mode={mode}")
+    assert (env_line in lines) if env_line else not any("DEFER" in ln for ln in lines)
+    assert lines[-1].startswith("torchrun")  # the env comes first: set before any worker imports torch
+
+
+def test_dry_run_multi_host():
+    lines = dry_run("conf=flux2_tp", "mesh.dp=2", "mesh.nodes=2")
+    assert "--nnodes=2" in lines[-1] and "--nproc-per-node=8" in lines[-1] and "--standalone" not in lines[-1]
+
+
+def test_tpu_without_torch_tpu_says_how_to_install(tmp_path):
+    res = launch("conf=flux2_tp", f"output.dir={tmp_path / 'out'}")
+    assert res.returncode == 2
+    assert 'pip install -e ".[tpu]"' in res.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()

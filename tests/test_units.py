@@ -1,0 +1,106 @@
+"""Pure functions: mesh validation, shard assignment, seeds, batching, fingerprints."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from jobs.text_to_image import make_batches
+from launcher.config import load_config
+from launcher.dist import ParallelDims
+from launcher.errors import ConfigError
+from launcher.shards import (
+    cut_shards,
+    parse_selection,
+    replica_shards,
+    row_seed,
+    sample_seed,
+    settings_fingerprint,
+    worker_shards,
+)
+from launcher.workers import resolve_workers
+
+
+def test_parallel_dims_checks_the_world_size_with_numbers():
+    ParallelDims(2, 4, 8)
+    with pytest.raises(ConfigError, match=r"2 \* 2 = 4 but the world size is 8"):
+        ParallelDims(2, 2, 8)
+    with pytest.raises(ConfigError, match="at least 1"):
+        ParallelDims(0, 2, 0)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_every_shard_exactly_once(dp, workers):
+    selected = [0, 2, 3, 5, 6, 7, 8, 11, 12, 13]
+    taken = [
+        i for w in range(workers) for r in range(dp) for i in replica_shards(worker_shards(selected, w, workers), r, dp)
+    ]
+    assert sorted(taken) == selected
+
+
+def test_a_few_shards_are_spread_over_replicas():
+    assert [replica_shards([3, 9, 14], r, 3) for r in range(3)] == [[3], [9], [14]]
+
+
+def test_seeds_depend_on_seed_and_id_only():
+    assert sample_seed(0, "a") == sample_seed(0, "a")
+    assert len({sample_seed(0, str(i)) for i in range(1000)}) == 1000
+    assert sample_seed(0, "a") != sample_seed(1, "a")
+    assert 0 <= sample_seed(123, "x") < 2**63
+    assert row_seed({"id": "a", "seed": 42}, 0) == 42
+    assert row_seed({"id": "a"}, 5) == sample_seed(5, "a")
+
+
+def test_shards_are_cut_on_stable_row_boundaries():
+    rows = [{"id": str(i), "prompt": f"p{i}"} for i in range(10)]
+    a, b = cut_shards(rows[:7], 4), cut_shards(rows, 4)
+    assert [len(s.rows) for s in b] == [4, 4, 2]
+    assert a[0].fingerprint == b[0].fingerprint and a[1].fingerprint != b[1].fingerprint
+
+
+def test_batches_are_padded_and_bucketed_by_shape():
+    gen = OmegaConf.create(
+        {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 3}
+    )
+    rows = [{"id": str(i), "prompt": "p"} for i in range(5)] + [{"id": "w", "prompt": "p", "width": 128}]
+    batches = make_batches(rows, gen)
+    assert [(len(b.rows), b.n_real, b.shape[:2]) for b in batches] == [
+        (3, 3, (64, 64)),
+        (3, 2, (64, 64)),
+        (3, 1, (64, 128)),
+    ]
+    assert batches[1].rows[2] is batches[1].rows[1]
+
+
+def test_fingerprint_ignores_how_the_work_is_run():
+    base = settings_fingerprint(load_config("tiny"))
+    for o in [
+        "mesh.dp=2",
+        "generate.batch_size=5",
+        "execution.mode=compile",
+        "dataset.limit=3",
+        "workers.count=2",
+        "testing.fail_shards=[1]",
+        "output.png=false",
+    ]:
+        assert settings_fingerprint(load_config("tiny", [o])) == base, o
+    for o in ["generate.seed=1", "generate.height=128", "model.dtype=bfloat16", "run.shard_size=4"]:
+        assert settings_fingerprint(load_config("tiny", [o])) != base, o
+
+
+def test_selection_names_missing_shards():
+    assert parse_selection([3, 0], 4) == [0, 3]
+    with pytest.raises(ConfigError, match=r"\[7\].*4 shards"):
+        parse_selection([7], 4)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (0, 1)),
+        ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "5"}, (2, 5)),
+        ({"JOB_COMPLETION_INDEX": "1", "MESHGEN_WORKERS": "3"}, (1, 3)),
+        ({"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "a,b,c,d"}, (1, 4)),
+    ],
+)
+def test_workers_from_the_schedulers_env(env, expected):
+    assert resolve_workers(load_config("tiny"), env) == expected
