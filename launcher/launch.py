@@ -90,19 +90,24 @@ def run_elastic(args: list[str]) -> int:
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher import ledger
     from launcher.lock import RunLock
+    from launcher.shards import worker_shards
     from launcher.workers import resolve_workers
 
     out = Path(cfg.output.dir)
     if not cfg.run.overwrite:
         ledger.check_run_json(out, cfg)
     shards, selected = ledger.plan(cfg)  # validates the selection before anything is written
-    index, _ = resolve_workers(cfg)
+    index, count = resolve_workers(cfg)
+    worker_share = set(worker_shards([s.index for s in shards], index, count))
     with RunLock(out, index):
         if cfg.run.overwrite:
             ledger.discard_outputs(out)
             shards, selected = ledger.plan(cfg)
         ledger.check_run_json(out, cfg)
         ledger.write_run_json(out, cfg, shards)
+        for shard in shards:  # leftovers of a killed attempt; only this worker writes its own shards
+            if shard.index in worker_share:
+                ledger.clean_tmp(out, shard.index)
         if not selected:
             logger.info("nothing to do: every selected shard of %s is done", out)
             return EXIT_OK

@@ -1,0 +1,194 @@
+"""Never lose or duplicate a sample: kills, signals, injected failures, settings changes, concurrent launches.
+
+Every test runs real jobs through launch.sh and compares the result with a clean run, byte for byte.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import LAUNCH, file_snapshot, launch, read_rows
+
+N = 24  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("prompts") / "p.txt"
+    prompts.write_text("".join(f"prompt number {i}, a small test scene\n" for i in range(N)))
+    return [
+        f"model.path={tiny_model}",
+        f"dataset.path={prompts}",
+        "run.shard_size=2",
+        "generate.num_inference_steps=30",
+    ]
+
+
+@pytest.fixture(scope="module")
+def clean(job, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+def start(*args: str) -> subprocess.Popen:
+    import os
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.Popen([LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    end = time.time() + timeout
+    while not predicate():
+        assert time.time() < end, "timed out"
+        time.sleep(0.05)
+
+
+def done_count(out: Path) -> int:
+    return len(list((out / "state").glob("shard-*.json"))) if (out / "state").exists() else 0
+
+
+def workers_of(out: Path) -> list[psutil.Process]:
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "launcher.worker" in cmd and f"output.dir={out}" in cmd:
+            procs.append(p)
+    return procs
+
+
+def assert_same_as_clean(out: Path, clean: Path) -> None:
+    data = lambda d: {k: v[0] for k, v in file_snapshot(d).items() if k.startswith(("data/", "images/"))}  # noqa: E731
+    assert data(out) == data(clean)
+    assert len(read_rows(out)) == N
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".stale" in p.name]
+
+
+def test_kill9_of_the_whole_job_then_the_same_command_finishes_it(job, clean, tmp_path):
+    out = tmp_path / "out"
+    proc = start(*job, f"output.dir={out}")
+    wait_for(lambda: done_count(out) >= 2)
+    victims = [psutil.Process(proc.pid), *workers_of(out)]
+    for p in victims:
+        p.kill()
+    proc.wait()
+    psutil.wait_procs(victims, timeout=10)
+    assert 2 <= done_count(out) < N // 2
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_as_clean(out, clean)
+
+
+def test_sigterm_to_the_launcher_alone_stops_the_job(job, clean, tmp_path):
+    out = tmp_path / "out"
+    proc = start(*job, f"output.dir={out}")
+    wait_for(lambda: done_count(out) >= 1)
+    workers = workers_of(out)
+    assert len(workers) == 2
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    stop_s = time.time() - t0
+    print(f"SIGTERM stopped the job in {stop_s:.2f} s")
+    assert code == 128 + signal.SIGTERM
+    assert stop_s < 15
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive and not workers_of(out)
+    assert done_count(out) < N // 2
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_as_clean(out, clean)
+
+
+def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp_path):
+    out = tmp_path / "out"
+    proc = start(*job, f"output.dir={out}")
+    wait_for(lambda: done_count(out) >= 1)
+    victim = max(workers_of(out), key=lambda p: p.pid)
+    t0 = time.time()
+    victim.kill()
+    code = proc.wait(timeout=120)
+    notice_s = time.time() - t0
+    print(f"a dead rank ended the job in {notice_s:.2f} s")
+    assert code not in (0, 2, 3, 4) and notice_s < 30
+    assert not workers_of(out)
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_as_clean(out, clean)
+
+
+def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    args = [f"model.path={tiny_model}", f"output.dir={out}"]
+    res = launch(*args, "testing.fail_shards=[1]")
+    assert res.returncode == 3, res.stderr[-2000:]
+    status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", str(out), "--json"]))
+    assert status["shards"] == {"0": "done", "1": "failed", "2": "done"}
+    assert (status["done"], status["failed"], status["pending"]) == (2, 1, 0)
+    state = json.loads((out / "state" / "shard-00001.json").read_text())
+    assert state["error"].startswith("InjectedFailure") and "Traceback" in state["traceback"]
+    assert not (out / "data" / "shard-00001.parquet").exists()
+    text = subprocess.check_output([sys.executable, "tools/status.py", str(out)], text=True)
+    assert "InjectedFailure" in text and "run.shards=[1]" in text
+    before = file_snapshot(out)
+    res = launch(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    after = file_snapshot(out)
+    for name in before:  # the done shards' files are untouched
+        if "00001" not in name and name != "run.json":
+            assert after[name] == before[name], name
+    assert read_rows(out) == read_rows(run_job())
+
+
+def test_abort_stops_at_the_first_failure(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "testing.fail_shards=[0]", "run.on_error=abort")
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert json.loads((out / "state" / "shard-00000.json").read_text())["status"] == "failed"
+    assert not (out / "state" / "shard-00001.json").exists()
+
+
+def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    assert launch(f"model.path={tiny_model}", f"output.dir={out}", "run.shards=[0]").returncode == 0
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5")
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert "generate.seed: 0 -> 5" in last and "run.overwrite=true" in last and "Traceback" not in res.stderr
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5", "run.overwrite=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((out / "run.json").read_text())["settings"]["generate"]["seed"] == 5
+    assert len(read_rows(out)) == 20
+
+
+def test_a_second_launch_on_a_busy_folder_exits_4(job, clean, tmp_path):
+    out = tmp_path / "out"
+    first = start(*job, f"output.dir={out}")
+    wait_for(lambda: done_count(out) >= 1)
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 4
+    assert "another run is active" in res.stderr and f"pid {first.pid}" in res.stderr
+    assert first.wait(timeout=120) == 0
+    assert_same_as_clean(out, clean)
+
+
+def test_leftovers_of_a_killed_write_are_cleaned(run_job, tiny_model, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(run_job(), out)
+    (out / "state" / "shard-00001.json").unlink()  # killed after writing data, before marking it done
+    (out / "data" / ".shard-00001.parquet.tmp-999").write_bytes(b"half")
+    (out / "images" / ".shard-00001.tmp-999").mkdir()
+    (out / "data" / ".shard-00002.parquet.tmp-999").write_bytes(b"half")  # a done shard's leftover
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    assert read_rows(out) == read_rows(run_job())
