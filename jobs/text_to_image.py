@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from launcher.shards import Shard, row_seed
+from launcher.shards import row_seed
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
         # Generators live on CPU: initial latents are drawn there, whatever the device.
         "generator": [torch.Generator("cpu").manual_seed(row_seed(r, cfg.generate.seed)) for r in batch.rows],
         "max_sequence_length": cfg.generate.max_sequence_length,
-        "output_type": "pil",
         **dict(cfg.model.call_kwargs),
     }
     if "negative_prompt" in accepted and any(r.get("negative_prompt") for r in batch.rows):
@@ -74,19 +72,26 @@ def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
-def generate_shard(pipe, shard: Shard, cfg) -> Iterator[list[dict]]:
-    """Yield, batch by batch, one sample dict per real row: row fields, settings, seed and a PIL `image`."""
-    for batch in make_batches(shard.rows, cfg.generate):
-        images = pipe(**pipeline_kwargs(pipe, batch, cfg)).images
-        yield [
-            {
-                "id": row["id"],
-                "prompt": row["prompt"],
-                "seed": row_seed(row, cfg.generate.seed),
-                "negative_prompt": row.get("negative_prompt"),
-                "model": cfg.model.path,
-                **sample_settings(row, cfg.generate),
-                "image": image,
-            }
-            for row, image in zip(batch.rows[: batch.n_real], images[: batch.n_real], strict=True)
-        ]
+def run_batch(pipe, batch: Batch, cfg, num_inference_steps: int | None = None) -> list[dict]:
+    """Generate one batch; one sample dict per real row: row fields, settings, seed and `pixels` (uint8 HxWx3).
+
+    `num_inference_steps` overrides the batch's steps (a warm-up needs only enough to trace every graph).
+    """
+    kwargs = pipeline_kwargs(pipe, batch, cfg)
+    if num_inference_steps is not None:
+        kwargs["num_inference_steps"] = num_inference_steps
+    kwargs["output_type"] = "np"
+    images = pipe(**kwargs).images
+    return [
+        {
+            "id": row["id"],
+            "prompt": row["prompt"],
+            "seed": row_seed(row, cfg.generate.seed),
+            "negative_prompt": row.get("negative_prompt"),
+            "model": cfg.model.path,
+            **sample_settings(row, cfg.generate),
+            # The same rounding as diffusers' numpy_to_pil, without the PIL round trip.
+            "pixels": (images[n] * 255).round().astype("uint8"),
+        }
+        for n, row in enumerate(batch.rows[: batch.n_real])
+    ]

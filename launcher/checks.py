@@ -6,8 +6,10 @@ then costs seconds, not a model load on every chip.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from launcher.errors import ConfigError
@@ -52,8 +54,9 @@ def check_settings(cfg) -> None:
 
 def check_mesh(cfg) -> None:
     dp, tp, nodes = cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.nodes
-    if dp < 1 or tp < 1 or nodes < 1:
-        raise ConfigError(f"mesh.dp={dp}, mesh.tp={tp} and mesh.nodes={nodes} must all be at least 1")
+    low = [f"mesh.{k}={v}" for k, v in (("dp", dp), ("tp", tp), ("nodes", nodes)) if v < 1]
+    if low:
+        raise ConfigError(f"{' and '.join(low)} must be at least 1 (processes = mesh.dp * mesh.tp)")
     if (dp * tp) % nodes:
         raise ConfigError(f"mesh.dp * mesh.tp = {dp * tp} processes do not split evenly over mesh.nodes={nodes}")
     if tp > 1 and cfg.execution.offload != "none":
@@ -74,22 +77,28 @@ def check_mesh(cfg) -> None:
 
 
 def local_chip_count(device: str) -> int | None:
+    """Chips this host offers to `device` workers; None where any number of processes may run (cpu) or unknown."""
     if device == "cuda":
         import torch
 
-        return torch.cuda.device_count()
+        return torch.cuda.device_count()  # NVML: counts without creating a CUDA context in the launcher
     if device == "tpu":
-        import torch
+        # Not torch.tpu.device_count(): that would start the TPU runtime in the launcher, which then holds the
+        # chips its workers need. The kernel's device files say the same without opening them.
+        visible = os.environ.get("TPU_VISIBLE_CHIPS")
+        if visible:
+            return len([c for c in visible.split(",") if c.strip()])
+        chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+        return len(chips) or None
+    return None
 
-        return torch.tpu.device_count()
-    return None  # cpu: any number of processes
 
-
-def _model_dir(path: str) -> Path:
+def model_dir(path: str) -> Path:
+    """The pipeline's folder: `path` itself, or its snapshot in the Hugging Face cache (never the network)."""
     p = Path(path)
     if p.is_dir():
         return p
-    if path.startswith((".", "/", "~")) or os.sep in path and not _looks_like_hub_id(path):
+    if not _looks_like_hub_id(path):
         raise ConfigError(f"model.path {path} does not exist; point it at a diffusers pipeline folder or a hub id")
     from huggingface_hub import snapshot_download
 
@@ -103,31 +112,31 @@ def _model_dir(path: str) -> Path:
 
 
 def _looks_like_hub_id(path: str) -> bool:
-    return path.count("/") == 1 and not path.startswith(("/", "."))
+    # "org/name" or "name": a relative path with more parts, or one that starts like a path, is a path.
+    return path.count("/") <= 1 and not path.startswith(("/", ".", "~")) and not path.endswith("/")
 
 
 def check_model(cfg) -> None:
     if cfg.model.build and not Path(cfg.model.path).exists():
         return  # built on first use (the tiny test model); its config is known to be sound
-    root = _model_dir(cfg.model.path)
+    root = model_dir(cfg.model.path)
     if not (root / "model_index.json").is_file():
-        raise ConfigError(f"model.path {cfg.model.path} is not a diffusers pipeline (no model_index.json)")
-    tp = cfg.mesh.tp
-    if tp > 1:
-        _check_heads(
-            root / "transformer" / "config.json",
-            tp,
-            "transformer",
-            ("num_attention_heads",),
-            cfg.model.shard_transformer,
+        raise ConfigError(
+            f"model.path {cfg.model.path} is not a diffusers pipeline (no model_index.json in {root}); "
+            "point it at the pipeline's top folder"
         )
-        _check_heads(
-            root / "text_encoder" / "config.json",
-            tp,
-            "text encoder",
-            ("num_attention_heads", "num_key_value_heads"),
-            cfg.model.shard_text_encoder,
-        )
+    _check_components(cfg.model.path, root)
+    if not Path(cfg.model.path).is_dir():
+        # The whole pipeline is in the cache (just checked), so workers need no network: without this, each
+        # rank asks the hub for updates, and hangs until a timeout where the hub cannot be reached.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if cfg.mesh.tp > 1:
+        te_keys = ("num_attention_heads", "num_key_value_heads")
+        for part, keys, sharded in (
+            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer),
+            ("text_encoder", te_keys, cfg.model.shard_text_encoder),
+        ):
+            _check_heads(root / part / "config.json", cfg.mesh.tp, part.replace("_", " "), keys, sharded)
     vae = _read(root / "vae" / "config.json")
     tr = _read(root / "transformer" / "config.json")
     if vae and "block_out_channels" in vae:
@@ -142,8 +151,48 @@ def check_model(cfg) -> None:
                 )
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+def _check_components(path: str, root: Path) -> None:
+    """Every component in model_index.json has its folder, and every model among them its weight files.
+
+    File names only, no weights read: a half-finished download otherwise fails after minutes of loading.
+    """
+    for name, spec in _read(root / "model_index.json").items():
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and spec[0]):
+            continue  # metadata, or an optional component the pipeline leaves out (null)
+        folder = root / name
+        if not folder.is_dir():
+            raise ConfigError(
+                f"model.path {path} is an incomplete pipeline: model_index.json lists {name} but {folder} is "
+                "missing; download the whole pipeline again"
+            )
+        if not (folder / "config.json").is_file():
+            continue  # a tokenizer or scheduler: configs only
+        # Complete if one index has all its shards (a repo may also carry the index of a format not downloaded),
+        # or if there is a weight file no index refers to.
+        maps = [set(_read(i).get("weight_map", {}).values()) for i in folder.glob("*.index*.json")]
+        missing = [sorted(s for s in m if not (folder / s).exists()) for m in maps]
+        standalone = [
+            f
+            for f in folder.iterdir()
+            if f.name.endswith(WEIGHT_SUFFIXES) and f.exists() and not any(f.name in m for m in maps)
+        ]
+        if not standalone and all(missing):
+            what = f"weight files {missing[0][:3]}" if missing else "weight files"
+            raise ConfigError(
+                f"model.path {path} is an incomplete pipeline: {name}/ lacks {what}; download the whole pipeline again"
+            )
+
+
 def _read(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); download the pipeline again or fix that file") from None
 
 
 def _check_heads(path: Path, tp: int, what: str, keys: tuple[str, ...], sharded: bool) -> None:
@@ -162,7 +211,41 @@ def check_output(cfg) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} is a file; choose a folder")
     probe = out
-    while not probe.exists():
+    while not os.path.lexists(probe):
         probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise ConfigError(f"output.dir {out} cannot be written ({probe} is not writable); choose another folder")
+    if not probe.is_dir():
+        raise ConfigError(f"output.dir {out} cannot be created: {probe} is a file; choose another folder")
+    try:  # an unnamed temporary file (O_TMPFILE where supported): nothing appears, even for a moment
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir {out} cannot be written (creating a file in {probe} fails: {e.strerror}); "
+            "choose another folder or fix its permissions"
+        ) from None
+
+
+def count_truncated(cfg, rows: list[dict]) -> int:
+    """How many prompts are longer than generate.max_sequence_length tokens, so the text encoder sees them cut.
+
+    Not an error (the pipeline truncates them), but worth a line in the run summary. Loads the tokenizer only.
+    The prompts are tokenized as the pipeline does: FLUX.2 wraps each one in its chat template with a system
+    message, which counts towards the limit; other pipelines apply max_sequence_length to their last tokenizer
+    (FLUX.1's and SD3's T5; their CLIP tokenizers always stop at 77).
+    """
+    from transformers import AutoTokenizer
+
+    root = model_dir(cfg.model.path)
+    name = next((n for n in ("tokenizer_3", "tokenizer_2", "tokenizer") if (root / n).is_dir()), None)
+    if name is None or not rows:
+        return 0
+    tokenizer = AutoTokenizer.from_pretrained(root / name, local_files_only=True)
+    tokenizer.model_max_length = 2**62  # we measure long prompts on purpose: no "longer than the maximum" warning
+    prompts = [r["prompt"] for r in rows]
+    if _read(root / "model_index.json").get("_class_name") == "Flux2Pipeline":
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+        ids = tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompts)["input_ids"]
+    return sum(len(i) > cfg.generate.max_sequence_length for i in ids)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+from launcher.execution import mode_env
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,7 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
         # CPU matmuls split their sums by thread count, which changes the last bits of an image; one thread per
         # worker keeps images bitwise equal whatever the mesh. An explicit OMP_NUM_THREADS wins.
         env["OMP_NUM_THREADS"] = "1"
-    if cfg.execution.mode == "defer_and_fuse":
-        env["TORCH_TPU_DEFER_AND_FUSE"] = "1"
+    env.update(mode_env(cfg, device))
     if cfg.mesh.nodes == 1:
         rdzv = ["--standalone", "--nnodes=1"]
     else:  # every host runs this same command; NODE_RANK and MASTER_ADDR come from the scheduler or TorchTPU

@@ -66,8 +66,16 @@ def text_encoder_has_tp_plan(path: str, cls) -> bool:
 
 def load_pipeline(cfg, device: torch.device, mesh):
     """The pipeline on `device`, with components sharded over `mesh["tp"]` as the config asks."""
+    import os
+
     from diffusers import DiffusionPipeline
 
+    if os.environ.get("MESHGEN_VERBOSE") != "1":
+        import diffusers.utils.logging
+        import transformers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     path, dtype = cfg.model.path, DTYPES[cfg.model.dtype]
     tp, dp = cfg.mesh.tp, cfg.mesh.dp
     classes = component_classes(path)
@@ -97,9 +105,14 @@ def load_pipeline(cfg, device: torch.device, mesh):
         )
         logger.info("text encoder sharded over tp=%d", tp)
     pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
+    place(pipe, cfg, device)
+    return pipe
+
+
+def place(pipe, cfg, device: torch.device) -> None:
+    """Put the pipeline on the chip, or let accelerate move each model there only while it runs (offload)."""
     if cfg.execution.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     else:
         pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    return pipe

@@ -11,23 +11,38 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
-from jobs.text_to_image import generate_shard
+from jobs.text_to_image import make_batches, run_batch
 from launcher import ledger
-from launcher.dist import ParallelDims, build_groups, init_distributed, resolve_device
+from launcher.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
+from launcher.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
+from launcher.execution import CompileStats, apply_compile, cache_hits
 from launcher.pipeline import load_pipeline
 from launcher.shards import Shard, replica_shards
-from launcher.writer import encode_png, write_shard
+from launcher.timing import StageTimer
 
 logger = logging.getLogger(__name__)
+WARMUP_STEPS = 2  # enough to trace every graph of a denoising step; steps are not part of the shape
 
 
 class InjectedFailure(RuntimeError):
     """testing.fail_shards: a failure on purpose, to prove that a shard's ranks agree on its outcome."""
+
+
+@dataclass
+class Worker:
+    cfg: object
+    pipe: object
+    groups: Groups
+    timer: StageTimer
+    writer: BackgroundWriter | None  # only on each tp group's first rank
+    compile_stats: CompileStats = field(default_factory=CompileStats)
+    warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
 
 
 def run_worker(cfg) -> int:
@@ -46,40 +61,65 @@ def run_worker(cfg) -> int:
         dist.destroy_process_group()
         return EXIT_OK
     pipe = load_pipeline(cfg, device, mesh)
-    out = Path(cfg.output.dir)
+    writer = None
+    if groups.is_writer:
+        writers_here = max(1, cfg.mesh.dp // cfg.mesh.nodes)
+        n_enc = cfg.output.encode_workers or default_encode_workers(writers_here)
+        writer = BackgroundWriter(Path(cfg.output.dir), cfg.output, n_enc)
+    w = Worker(cfg, pipe, groups, StageTimer(pipe, device), writer)
+    apply_compile(pipe, cfg, device_type, w.compile_stats)
     code = EXIT_OK
     for i in mine:
-        if not run_shard(pipe, shards[i], cfg, groups, out):
-            logger.error("shard %d failed", i)
-            if cfg.run.on_error == "abort":
-                code = EXIT_SHARDS_FAILED
-                break
+        if not run_shard(w, shards[i]) and cfg.run.on_error == "abort":
+            code = EXIT_SHARDS_FAILED
+            break
+    if writer is not None:
+        writer.close()
+        if writer.failed and cfg.run.on_error == "abort":
+            code = EXIT_SHARDS_FAILED
+    logger.info("%d distinct batch shapes, %d compiles", len(w.warmed), w.compile_stats.compiles)
     dist.destroy_process_group()
     return code
 
 
-def _agree(groups, error: str | None) -> str | None:
+def _agree(groups: Groups, error: str | None) -> str | None:
     """Exchange local errors within the tp group; every rank gets the first error (or None)."""
     errors = [None] * dist.get_world_size(groups.tp_control)
     dist.all_gather_object(errors, error, group=groups.tp_control)
     return next((e for e in errors if e), None)
 
 
-def run_shard(pipe, shard: Shard, cfg, groups, out: Path) -> bool:
-    """Generate and write one shard; record its outcome in its state file. True when done."""
-    start = time.time()
-    if groups.is_writer:
-        ledger.clean_tmp(out, shard.index)
+def _warm_up(w: Worker, batch) -> float:
+    """Compile mode: run each new batch shape once before timing it, so compile time is reported apart."""
+    key = (*batch.shape[:2], len(batch.rows))
+    if key in w.warmed:
+        return 0.0
+    w.warmed.add(key)
+    if w.cfg.execution.mode != "compile":
+        return 0.0
+    t0, stages = time.perf_counter(), w.timer.take()
+    run_batch(w.pipe, batch, w.cfg, num_inference_steps=WARMUP_STEPS)
+    w.timer.take()  # the warm-up's own stage times are not generation time
+    w.timer.add(stages)
+    seconds = time.perf_counter() - t0
+    logger.info("warmed up shape %s in %.2f s (%d compiles so far)", key, seconds, w.compile_stats.compiles)
+    return seconds
+
+
+def run_shard(w: Worker, shard: Shard) -> bool:
+    """Generate one shard and hand it to the writer, which records its outcome. True when generated."""
+    cfg, groups = w.cfg, w.groups
     inject = shard.index in cfg.testing.fail_shards and groups.tp_rank == cfg.mesh.tp - 1
+    if groups.is_writer:
+        ledger.clean_tmp(Path(cfg.output.dir), shard.index)
+    start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
+    w.timer.take()
     samples, error = [], None
-    batches = generate_shard(pipe, shard, cfg)
-    while True:
+    for batch in make_batches(shard.rows, cfg.generate):
         local = None
         try:
-            batch = next(batches, None)
-            if batch is None:
-                break
-            samples.extend(batch)
+            warmup += _warm_up(w, batch)
+            samples += run_batch(w.pipe, batch, cfg)
             if inject:
                 raise InjectedFailure(f"testing.fail_shards: injected failure in shard {shard.index}")
         except Exception as e:  # any failure fails this shard only; the run goes on
@@ -87,26 +127,21 @@ def run_shard(pipe, shard: Shard, cfg, groups, out: Path) -> bool:
         error = _agree(groups, local)
         if error:
             break
-    if groups.is_writer and not error:
-        try:
-            order = {r["id"]: n for n, r in enumerate(shard.rows)}
-            samples.sort(key=lambda s: order[s["id"]])
-            for s in samples:
-                s["png"] = encode_png(s.pop("image"))
-            write_shard(out, shard.name, samples, png=cfg.output.png, parquet=cfg.output.parquet)
-        except Exception as e:
-            error = f"{type(e).__name__} while writing: {e}\n{traceback.format_exc()}"
-    error = _agree(groups, error if groups.is_writer else None)
-    if groups.is_writer:
-        seconds = round(time.time() - start, 3)
-        state = {
-            "status": "failed" if error else "done",
-            "rows": len(shard.rows),
-            "seconds": seconds,
-            "prompts_fingerprint": shard.fingerprint,
-            "images_per_s": round(len(shard.rows) / seconds, 3) if not error else None,
-        }
-        if error:
-            state.update(error=error.splitlines()[0], traceback=error)
-        ledger.write_json(ledger.state_path(out, shard.index), state)
+    seconds = time.perf_counter() - start - warmup
+    if w.writer is None:
+        return error is None
+    state = {
+        "status": "failed" if error else "done",
+        "rows": len(shard.rows),
+        "prompts_fingerprint": shard.fingerprint,
+        "seconds": round(seconds, 4),
+        "images_per_s": None if error else round(len(shard.rows) / seconds, 3),
+        "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
+        "compiles": w.compile_stats.compiles - compiles,
+        "compile_cache_hits": cache_hits() - hits,
+    }
+    if error:
+        state.update(error=error.splitlines()[0], traceback=error)
+    order = {r["id"]: k for k, r in enumerate(shard.rows)}
+    w.writer.submit(ShardJob(shard.index, shard.name, [] if error else samples, state, order))
     return error is None

@@ -44,10 +44,17 @@ _HF_FEATURES = {
 SCHEMA = SCHEMA.with_metadata({"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})})
 
 
-def encode_png(image, compress_level: int = 1) -> bytes:
-    # Level 1 is ~1.5x faster than PIL's default 6 on photographic images, for files ~10% larger.
+def encode_png(pixels, encoder: str = "imagecodecs", level: int = 1) -> bytes:
+    """PNG bytes of a uint8 HxWx3 array. imagecodecs (libpng) at level 1 is ~1.6x faster than Pillow at the
+    same level and ~3x faster than Pillow's default level 6, for files about 10% larger than level 6."""
+    if encoder == "imagecodecs":
+        import imagecodecs
+
+        return bytes(imagecodecs.png_encode(pixels, level=level))
+    from PIL import Image
+
     buf = io.BytesIO()
-    image.save(buf, format="PNG", compress_level=compress_level)
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=level)
     return buf.getvalue()
 
 

@@ -1,0 +1,100 @@
+"""Writing off the critical path: finished shards are encoded and written by a background thread.
+
+Generation hands a shard over and goes on; it waits only when `output.queue_shards` shards are already
+waiting (backpressure), and that wait is measured. PNG encoding, the expensive part (0.1-0.3 s per
+1024x1024 image on one core), runs in a pool of processes that scales with the host's cores. Every outcome,
+failures included, reaches the shard's state file, written last by this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from launcher import ledger
+from launcher.writer import encode_png, write_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardJob:
+    index: int
+    name: str
+    samples: list[dict]  # row fields plus "pixels" (uint8 HxWx3); empty when generation failed
+    state: dict  # status, timings, error: completed by the writer
+    order: dict[str, int] = field(default_factory=dict)
+    queued: threading.Event = field(default_factory=threading.Event)
+
+
+def default_encode_workers(writers_on_host: int) -> int:
+    """Half the host's cores, shared by the writer ranks on it (the other half feeds the chips)."""
+    return max(1, (os.cpu_count() or 1) // (2 * max(1, writers_on_host)))
+
+
+class BackgroundWriter:
+    def __init__(self, out: Path, output_cfg, encode_workers: int):
+        self.out, self.cfg = out, output_cfg
+        self.failed: list[int] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
+        # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
+        ctx = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(encode_workers, mp_context=ctx)
+        self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ShardJob) -> float:
+        """Queue a shard for writing; the seconds spent waiting for room in the queue."""
+        t0 = time.perf_counter()
+        self._queue.put(job)
+        waited = time.perf_counter() - t0
+        job.state.setdefault("stages", {})["writer_wait"] = round(waited, 4)
+        job.queued.set()  # the state is complete: the writer may now record it
+        return waited
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(job)
+            except Exception as e:  # a write error fails that shard, never silently
+                job.state.update(
+                    status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
+                )
+            if job.state["status"] != "done":
+                self.failed.append(job.index)
+            job.queued.wait()
+            job.state["finished_at"] = time.time()
+            ledger.write_json(ledger.state_path(self.out, job.index), job.state)
+
+    def _write(self, job: ShardJob) -> None:
+        if job.state["status"] != "done":
+            return
+        t0 = time.perf_counter()
+        job.samples.sort(key=lambda s: job.order[s["id"]])
+        encode = [(s.pop("pixels"), self.cfg.png_encoder, self.cfg.png_level) for s in job.samples]
+        chunk = max(1, len(encode) // (4 * (self._pool._max_workers or 1)))
+        for s, png in zip(job.samples, self._pool.map(_encode, encode, chunksize=chunk), strict=True):
+            s["png"] = png
+        write_shard(self.out, job.name, job.samples, png=self.cfg.png, parquet=self.cfg.parquet)
+        job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
+
+    def close(self) -> None:
+        """Write everything queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+        self._pool.shutdown()
+
+
+def _encode(item: tuple[np.ndarray, str, int]) -> bytes:
+    pixels, encoder, level = item
+    return encode_png(pixels, encoder, level)

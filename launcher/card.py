@@ -1,0 +1,241 @@
+"""What a run folder says about itself, and its dataset card: `python -m launcher.card OUTPUT_DIR`.
+
+Everything here reads only the run folder (run.json, state/, data/), through `RunFolder`, so the card and the
+inspection tools (tools/contact_sheet.py, tools/report.py) work during a run, after it, or on a copy. The card is
+OUTPUT_DIR/README.md with the YAML front matter that the Hugging Face Hub and `datasets` read, so the folder
+can be pushed to the Hub as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import yaml
+
+from launcher.ledger import DATA_DIR, STATE_DIR, write_atomic
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A run folder on a pyarrow filesystem. Every read goes through here, so an object store can slot in."""
+
+    fs: pafs.FileSystem
+    root: str
+
+    def path(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}"
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def read_json(self, rel: str) -> dict | None:
+        data = self.read_bytes(rel)
+        return None if data is None else json.loads(data)
+
+    def files(self, rel_dir: str, suffix: str = "") -> list[pafs.FileInfo]:
+        """Files directly under `rel_dir`, by name; temporary files of a live run (hidden names) left out."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        keep = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
+        return sorted((i for i in keep if i.base_name.endswith(suffix)), key=lambda i: i.base_name)
+
+    def parquet(self, rel: str) -> pq.ParquetFile:
+        return pq.ParquetFile(self.fs.open_input_file(self.path(rel)))
+
+
+def open_run(out: str | Path) -> RunFolder:
+    """The run folder at `out`. Local only for now; gs:// and s3:// would come from pafs.FileSystem.from_uri."""
+    if "://" in str(out):
+        raise NotImplementedError(f"{out}: reading run folders from object stores is not supported yet")
+    return RunFolder(pafs.LocalFileSystem(), str(Path(out).resolve()))
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def stage_seconds(state: dict) -> dict[str, float]:
+    """Per-stage timings of a shard, when the state file records them (older runs do not)."""
+    for key in ("stages", "timings"):
+        value = state.get(key)
+        if isinstance(value, dict):
+            return {k: float(v) for k, v in value.items() if isinstance(v, int | float)}
+    return {}
+
+
+def summarize(run: RunFolder) -> dict:
+    """The run's config, per-shard outcomes and totals, from run.json and the state files."""
+    meta = run.read_json("run.json")
+    if meta is None:
+        raise FileNotFoundError(f"{run.root} has no run.json; is it a meshgen output folder?")
+    mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
+    shards, from_mtime = [], False
+    for index in range(meta["shards"]):
+        name = f"{shard_name(index)}.json"
+        st = run.read_json(f"{STATE_DIR}/{name}") or {}
+        finished = st.get("finished_at")
+        if finished is None and name in mtimes:
+            # The state file is written last, so its mtime is when the shard finished, for runs that predate
+            # `finished_at` (a copy that did not keep mtimes makes this wrong, hence `time_source`).
+            finished, from_mtime = mtimes[name], True
+        shards.append(
+            {
+                "index": index,
+                "status": st.get("status", "pending"),
+                "rows": st.get("rows"),
+                "seconds": st.get("seconds"),
+                "images_per_s": st.get("images_per_s"),
+                "error": (st.get("error") or "").strip().split("\n")[0],
+                "finished_at": finished,
+                "stages": stage_seconds(st),
+            }
+        )
+    done = [s for s in shards if s["status"] == "done"]
+    images = sum(s["rows"] or 0 for s in done)
+    # Time spent on shards, failed ones included: with dp replicas this is more than the wall time.
+    seconds = sum(s["seconds"] or 0 for s in shards if s["status"] != "pending")
+    ends = [(s["finished_at"], s["seconds"] or 0) for s in shards if s["finished_at"] is not None]
+    span = max(e for e, _ in ends) - min(e - d for e, d in ends) if ends else None
+    return {
+        "meta": meta,
+        "shards": shards,
+        "counts": {k: sum(s["status"] == k for s in shards) for k in ("done", "failed", "pending")},
+        "images": images,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(images / seconds, 3) if images and seconds else None,
+        # First shard start to last shard finish; it includes any pause between reruns.
+        "span_seconds": round(span, 3) if span else None,
+        "time_source": "state file mtime" if from_mtime else "finished_at",
+    }
+
+
+def data_files(run: RunFolder, summary: dict) -> tuple[list[str], list[str], int]:
+    """What the card names (relative paths or a glob), the done shards' Parquet files, and their row count.
+
+    A glob when every file belongs to a done shard, so the card stays short for big runs; otherwise the done
+    shards' files by name, since a file whose shard is not done (an earlier attempt) is not vouched for.
+    """
+    done = {f"{shard_name(s['index'])}.parquet" for s in summary["shards"] if s["status"] == "done"}
+    present = [f"{DATA_DIR}/{i.base_name}" for i in run.files(DATA_DIR, ".parquet")]
+    files = [f for f in present if f.split("/")[-1] in done]
+    rows = sum(run.parquet(f).metadata.num_rows for f in files)
+    return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, rows
+
+
+def hf_features(run: RunFolder, first_file: str) -> list[dict]:
+    """The `dataset_info.features` list, from the Parquet schema's Hugging Face metadata (the file is the truth)."""
+    raw = run.parquet(first_file).schema_arrow.metadata or {}
+    if b"huggingface" in raw:
+        features = json.loads(raw[b"huggingface"])["info"]["features"]
+    else:  # a file written without the metadata: the writer's own declaration
+        from launcher.writer import _HF_FEATURES as features
+    return [{"name": k, "dtype": f.get("dtype", f["_type"].lower())} for k, f in features.items()]
+
+
+# License ids the Hub knows that a model's license note may spell as is; anything else becomes `other`.
+_HUB_LICENSES = {"apache-2.0", "mit", "openrail", "openrail++", "creativeml-openrail-m", "cc-by-4.0", "cc0-1.0"}
+
+
+def hub_license(note: str) -> dict:
+    if not note.strip():
+        return {}
+    if note.strip().lower() in _HUB_LICENSES:
+        return {"license": note.strip().lower()}
+    url = re.search(r"https?://\S+", note)
+    name = re.sub(r"[^a-z0-9]+", "-", note[: url.start()] if url else note, flags=re.I).strip("-").lower()
+    return {"license": "other", "license_name": name or "model-license", **({"license_link": url[0]} if url else {})}
+
+
+def front_matter(run: RunFolder, summary: dict) -> dict:
+    model = summary["meta"]["config"]["model"]
+    front = {**hub_license(model.get("license", "")), "task_categories": ["text-to-image"], "tags": ["synthetic"]}
+    named, files, rows = data_files(run, summary)
+    if files:  # none yet (or output.parquet=false): the card goes without configs, and still renders
+        front["configs"] = [
+            {
+                "config_name": "default",
+                "data_files": [{"split": "train", "path": named if len(named) > 1 else named[0]}],
+            }
+        ]
+        front["dataset_info"] = {
+            "features": hf_features(run, files[0]),
+            "splits": [{"name": "train", "num_examples": rows}],
+        }
+    return front
+
+
+def card_text(run: RunFolder) -> str:
+    summary = summarize(run)
+    meta, counts, cfg = summary["meta"], summary["counts"], summary["meta"]["config"]
+    model = cfg["model"]
+    incomplete = (
+        "This run is not complete: the card names only the done shards' data. "
+        if counts["pending"] or counts["failed"]
+        else ""
+    )
+    body = f"""# {cfg["name"]}: images generated with `{model["path"]}`
+
+Generated by meshgen from the prompts in `{cfg["dataset"]["path"]}`.
+
+## Model
+
+- model: `{model["path"]}` in {model["dtype"]}
+- license: {model.get("license") or "not stated; see the model's page"}
+
+The images are outputs of this model; their use is subject to its license.
+
+## Generation settings
+
+{chr(10).join(f"- {k}: {v}" for k, v in meta["settings"]["generate"].items())}
+- mesh: dp={cfg["mesh"]["dp"]} x tp={cfg["mesh"]["tp"]} on {cfg["device"]}, batch size {cfg["generate"]["batch_size"]}
+
+Each sample's seed is the first 8 bytes of `sha256("<seed>:<id>")` unless its row sets `seed`; rows may also set
+their own `height`, `width` and `negative_prompt`. The data records what each sample used.
+
+## Contents
+
+{incomplete}{len(summary["shards"])} shards of {meta["shard_size"]} prompts: {counts["done"]} done, \
+{counts["failed"]} failed, {counts["pending"]} pending; {summary["images"]} images.
+
+```python
+from datasets import load_dataset
+ds = load_dataset("path/to/this/folder", split="train")  # or its Hub repo id; `image` decodes to a PIL image
+```
+
+Versions: {", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())}
+"""
+    yaml_text = yaml.safe_dump(front_matter(run, summary), sort_keys=False, allow_unicode=True, width=1000)
+    return f"---\n{yaml_text}---\n\n{body}"
+
+
+def write_card(out: Path) -> Path:
+    """Write OUTPUT_DIR/README.md (the dataset card) atomically; return its path."""
+    path = Path(out) / "README.md"
+    write_atomic(path, card_text(open_run(out)).encode())
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write OUTPUT_DIR/README.md, the dataset card of a run folder.")
+    parser.add_argument("output_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        print(write_card(args.output_dir))
+    except (FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
