@@ -18,6 +18,7 @@ from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
 from launcher.execution import mode_env
+from launcher.summary import Progress, append_run_record, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -108,34 +109,33 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         for shard in shards:  # leftovers of a killed attempt; only this worker writes its own shards
             if shard.index in worker_share:
                 ledger.clean_tmp(out, shard.index)
-        if not selected:
-            logger.info("nothing to do: every selected shard of %s is done", out)
-            return EXIT_OK
-        logger.info(
-            "generating %d shards (%d samples) into %s", len(selected), sum(len(shards[i].rows) for i in selected), out
-        )
-        os.environ.update(plan_.env)
-        if plan_.tpu_launch_env:
-            set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
         start = time.time()
-        code = run_elastic(plan_.torchrun_args)
-        status = {i: (ledger.read_state(out, i) or {}).get("status", "pending") for i in selected}
-    failed = sorted(i for i, s in status.items() if s == "failed")
-    done = sum(s == "done" for s in status.values())
-    logger.info(
-        "%d of %d shards done, %d failed, in %.1f s; outputs in %s",
-        done,
-        len(selected),
-        len(failed),
-        time.time() - start,
-        out,
-    )
-    if failed:
-        logger.warning(
-            "failed shards %s; rerun them with: ./launch.sh conf=%s %s", failed, conf, shlex.join([*overrides])
-        )
-    if code == EXIT_OK and failed:
-        return EXIT_SHARDS_FAILED
+        code = EXIT_OK
+        if selected:
+            logger.info(
+                "generating %d shards (%d samples) into %s",
+                len(selected),
+                sum(len(shards[i].rows) for i in selected),
+                out,
+            )
+            os.environ.update(plan_.env)
+            if plan_.tpu_launch_env:
+                set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
+            with Progress(out, [shards[i] for i in selected], start):
+                code = run_elastic(plan_.torchrun_args)
+        else:
+            logger.info("nothing to do: every selected shard of %s is done", out)
+        rerun = ["./launch.sh", f"conf={conf}", *(o for o in overrides if not o.startswith("run.shards="))]
+        lines, record = summarize(out, shards, selected, start, code, rerun)
+        if (
+            code == EXIT_OK
+            and record["failed"]
+            and any(ledger.shard_status(out, shards[i]) == "failed" for i in selected)
+        ):
+            code = record["exit_code"] = EXIT_SHARDS_FAILED
+        append_run_record(out, record)
+    for line in lines:
+        logger.info(line)
     return code
 
 
