@@ -127,11 +127,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             logger.info("nothing to do: every selected shard of %s is done", out)
         rerun = ["./launch.sh", f"conf={conf}", *(o for o in overrides if not o.startswith("run.shards="))]
         lines, record = summarize(out, shards, selected, start, code, rerun)
-        if (
-            code == EXIT_OK
-            and record["failed"]
-            and any(ledger.shard_status(out, shards[i]) == "failed" for i in selected)
-        ):
+        if code == EXIT_OK and any(ledger.shard_status(out, shards[i]) == "failed" for i in selected):
             code = record["exit_code"] = EXIT_SHARDS_FAILED
         append_run_record(out, record)
     for line in lines:

@@ -68,9 +68,11 @@ def max_diff(a: Path, b: Path) -> int:
 
 
 def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under a run folder (locks aside) with its bytes and mtime."""
+    """The run folder's data, images, state files and run.json, with their bytes and mtimes.
+
+    Left out: locks, and what every run rewrites on purpose (runs.jsonl, the dataset card)."""
     return {
         str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns)
         for p in sorted(out.rglob("*"))
-        if p.is_file() and "locks" not in p.parts
+        if p.is_file() and (p.parts[len(out.parts)] in ("data", "images", "state") or p.name == "run.json")
     }
