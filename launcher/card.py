@@ -218,16 +218,17 @@ Versions: {", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())}
     return f"---\n{yaml_text}---\n\n{body}"
 
 
-def write_card(out: Path) -> Path:
+def write_card(out: str | Path) -> Path:
     """Write OUTPUT_DIR/README.md (the dataset card) atomically; return its path."""
-    path = Path(out) / "README.md"
-    write_atomic(path, card_text(open_run(out)).encode())
+    path, text = Path(out) / "README.md", card_text(open_run(out)).encode()
+    if not path.exists() or path.read_bytes() != text:  # a rerun with nothing new leaves the folder untouched
+        write_atomic(path, text)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write OUTPUT_DIR/README.md, the dataset card of a run folder.")
-    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("output_dir")
     args = parser.parse_args(argv)
     try:
         print(write_card(args.output_dir))

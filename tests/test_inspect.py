@@ -1,0 +1,235 @@
+"""The dataset card, contact sheet and HTML report, on the tiny tp=2 run (read only) or on copies of it."""
+
+import base64
+import importlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import yaml
+from conftest import REPO, pixels, read_rows
+from PIL import Image
+
+from launcher.card import write_card
+
+VOID = {"meta", "img", "br", "hr", "input", "link"}
+
+
+@pytest.fixture
+def tools(monkeypatch):
+    """The tools' modules, imported the way `python tools/x.py` finds them (the script's folder on the path)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    return importlib.import_module("contact_sheet"), importlib.import_module("report")
+
+
+def copy_run(out, dest):
+    shutil.copytree(out, dest, ignore=shutil.ignore_patterns("locks"))
+    return dest
+
+
+def edit_state(out, index: int, **changes):
+    path = out / "state" / f"shard-{index:05d}.json"
+    state = json.loads(path.read_text())
+    state.update(changes)
+    path.write_text(json.dumps(state))
+
+
+def pixels_of(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB")).astype(np.int16)
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path):
+    import datasets
+
+    out = copy_run(run_job(), tmp_path / "run")
+    card = write_card(out).read_text()
+    mtime = (out / "README.md").stat().st_mtime_ns
+    assert write_card(out).stat().st_mtime_ns == mtime  # nothing new: not rewritten
+    front = front_matter(card)
+    assert {"name": "image", "dtype": "image"} in front["dataset_info"]["features"]
+    assert {"name": "prompt", "dtype": "string"} in front["dataset_info"]["features"]
+    assert front["dataset_info"]["splits"] == [{"name": "train", "num_examples": 20}]
+    [config] = front["configs"]
+    assert config["data_files"] == [{"split": "train", "path": "data/*.parquet"}]
+    assert front["license"] == "other" and front["license_name"] == "random-weights-no-license-restrictions"
+    body = card.split("---\n", 2)[2]
+    run = json.loads((out / "run.json").read_text())
+    for fact in (run["config"]["model"]["path"], "float32", "num_inference_steps: 4", "3 done, 0 failed, 0 pending"):
+        assert fact in body
+    assert "20 images" in body and "random weights, no license restrictions" in body
+
+    files = str(out / config["data_files"][0]["path"])
+    ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / "cache"))
+    assert isinstance(ds.features["image"], datasets.Image) and len(ds) == 20
+    assert ds[0]["image"].size == (64, 64)
+    # Loading the folder itself reads the card: its configs pick the files, and `datasets` checks num_examples.
+    ds = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "cache2"))
+    assert len(ds) == 20 and isinstance(ds.features["image"], datasets.Image)
+
+
+def test_card_of_an_unfinished_run_names_only_the_done_shards(run_job, tmp_path):
+    import datasets
+
+    out = copy_run(run_job(), tmp_path / "run")
+    edit_state(out, 1, status="failed", error="RuntimeError: boom", images_per_s=None)
+    (out / "state" / "shard-00002.json").unlink()
+    res = subprocess.run([sys.executable, "-m", "launcher.card", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    card = (out / "README.md").read_text()
+    front = front_matter(card)
+    assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/shard-00000.parquet"}]
+    assert front["dataset_info"]["splits"][0]["num_examples"] == 8
+    assert "1 done, 1 failed, 1 pending" in card and "not complete" in card
+    ds = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "cache"))
+    assert sorted(ds["id"], key=int) == [str(i) for i in range(8)]
+
+
+def test_contact_sheet_shows_the_first_samples_with_captions(run_job, tools):
+    cs, _ = tools
+    out = run_job()
+    rows = read_rows(out)
+    sheet = cs.contact_sheet(out, n=5, cols=3)
+    assert sheet.size == (3 * cs.CELL_W, 2 * cs.CELL_H)
+    for i in range(6):
+        x, y = cs.cell_origin(i, 3)
+        thumb = sheet.crop((x + cs.PAD, y + cs.PAD, x + cs.PAD + cs.THUMB, y + cs.PAD + cs.THUMB))
+        caption = pixels_of(sheet.crop((x, y + cs.PAD + cs.THUMB, x + cs.CELL_W, y + cs.CELL_H)))
+        if i < 5:  # the 64x64 image enlarged 3x with nearest: shrinking it back gives the original pixels
+            small = thumb.resize((64, 64), Image.Resampling.NEAREST)
+            assert (pixels_of(small) == pixels(rows[str(i)]["image"]["bytes"])).all(), i
+            assert (caption < 100).any(axis=-1).sum() > 50, f"cell {i} has no caption text"
+        else:  # the grid's spare cell stays empty
+            assert (pixels_of(thumb) == 255).all() and (caption == 255).all()
+    # Asking for more than the run holds gives all of it.
+    assert cs.contact_sheet(out, n=100, cols=8).size == (8 * cs.CELL_W, 3 * cs.CELL_H)
+
+
+def test_captions_wrap_and_are_cut_to_three_lines(tools):
+    from PIL import ImageFont
+
+    cs, _ = tools
+    font = ImageFont.load_default(size=cs.FONT_SIZE)
+    lines = cs.wrap("a very long prompt about " + "many things " * 40 + "Supercalifragilistic" * 5, font, 150, 3)
+    assert len(lines) == 3 and lines[-1].endswith("...")
+    assert all(font.getlength(line) <= 150 for line in lines)
+    assert cs.wrap("a red fox", font, 150, 3) == ["a red fox"]
+    assert all(font.getlength(line) <= 60 for line in cs.wrap("Supercalifragilistic", font, 60, 5))
+
+
+def test_contact_sheet_cli_writes_the_png(run_job, tmp_path, tools):
+    cs, _ = tools
+    dest = tmp_path / "sheet.png"
+    cmd = [sys.executable, "tools/contact_sheet.py", str(run_job()), "--n", "4", "--cols", "2", "--out", str(dest)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    image = Image.open(dest)
+    assert image.format == "PNG" and image.size == (2 * cs.CELL_W, 2 * cs.CELL_H)
+    assert len(np.unique(pixels_of(image).reshape(-1, 3), axis=0)) > 100
+
+
+def test_finish_times_fall_back_to_the_state_files_times(run_job, tmp_path):
+    from launcher.card import open_run, summarize
+
+    out = copy_run(run_job(), tmp_path / "run")
+    for i in range(3):
+        path = out / "state" / f"shard-{i:05d}.json"
+        state = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("finished_at", "stages")}
+        path.write_text(json.dumps(state))
+        os.utime(path, (1000.0 + i, 1000.0 + i))
+    summary = summarize(open_run(out))
+    assert summary["time_source"] == "state file mtime"
+    assert [s["finished_at"] for s in summary["shards"]] == [1000.0, 1001.0, 1002.0]
+    assert summary["counts"] == {"done": 3, "failed": 0, "pending": 0} and summary["images"] == 20
+    assert all(s["stages"] == {} for s in summary["shards"])
+
+
+class Page(HTMLParser):
+    """Collects the shard table's rows, the SVG's titles and circles, the images, and unclosed tags."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.stack, self.rows, self.titles, self.circles, self.imgs, self.urls = [], [], [], [], [], []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.urls += [v for k, v in attrs.items() if k in ("src", "href") and not v.startswith("data:")]
+        if tag == "tr" and "tbody" in self.stack:
+            self.rows.append({"status": attrs.get("class"), "cells": []})
+        elif tag == "td" and "tbody" in self.stack:
+            self.rows[-1]["cells"].append("")
+        elif tag == "circle":
+            self.circles.append(float(attrs["cx"]))
+        elif tag == "img":
+            self.imgs.append(attrs["src"])
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, f"</{tag}> closes nothing open"
+
+    def handle_data(self, data):
+        if self.stack[-1:] == ["td"] and "tbody" in self.stack:
+            self.rows[-1]["cells"][-1] += data
+        elif self.stack[-1:] == ["title"] and "svg" in self.stack:
+            self.titles.append(data)
+
+
+def sheet_of(page: Page) -> Image.Image:
+    [src] = page.imgs
+    assert src.startswith("data:image/png;base64,")
+    image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+    assert image.format == "PNG"
+    image.load()  # decodes all of it: a truncated PNG fails here
+    return image
+
+
+def test_report_of_the_run(run_job, tools):
+    cs, report = tools
+    page = Page(report.report_html(run_job()))
+    assert page.stack == [] and page.urls == []
+    assert [(r["status"], r["cells"][:3]) for r in page.rows] == [
+        ("done", ["0", "done", "8"]),
+        ("done", ["1", "done", "8"]),
+        ("done", ["2", "done", "4"]),
+    ]
+    assert len(page.circles) == 3 and "shard 1: " in " ".join(page.titles)
+    sheet = sheet_of(page)
+    assert sheet.size == (4 * cs.CELL_W, 4 * cs.CELL_H)
+    assert (pixels_of(sheet) == pixels_of(cs.contact_sheet(run_job(), 16, 4))).all()
+
+
+def test_report_shows_failures_and_timings(run_job, tmp_path, tools):
+    cs, _ = tools
+    out = copy_run(run_job(), tmp_path / "run")
+    edit_state(out, 1, status="failed", error="RuntimeError: boom", images_per_s=None, finished_at=1000.0)
+    edit_state(out, 0, finished_at=1020.0, stages={"generate": 1.5, "write": 0.25})
+    edit_state(out, 2, finished_at=1010.0, stages={"generate": 0.5, "write": 0.25})
+    res = subprocess.run([sys.executable, "tools/report.py", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = (out / "report.html").read_text()
+    page = Page(text)
+    assert page.stack == [] and page.urls == [] and "http" not in text
+    statuses = [(r["status"], r["cells"][1]) for r in page.rows]
+    assert statuses == [("done", "done"), ("failed", "failed"), ("done", "done")]
+    assert page.rows[1]["cells"][-1] == "RuntimeError: boom" and page.rows[0]["cells"][-1] == ""
+    assert page.rows[0]["cells"][6] == "generate 1.50s, write 0.25s"
+    assert "seconds since the first shard started (from finished_at)" in text
+    # x is the finish time: shard 2 finished before shard 0; the failed shard is marked, not plotted.
+    assert len(page.circles) == 2 and page.circles[0] < page.circles[1]
+    assert "shard 2: " in page.titles[0] and "shard 1 failed" in page.titles
+    assert "generate 2.00s, write 0.50s" in text  # the stage totals
+    # 12 samples from the two done shards: 3 rows of 4.
+    assert sheet_of(page).size == (4 * cs.CELL_W, 3 * cs.CELL_H)
