@@ -109,6 +109,9 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         for shard in shards:  # leftovers of a killed attempt; only this worker writes its own shards
             if shard.index in worker_share:
                 ledger.clean_tmp(out, shard.index)
+        stale = [s.index for s in shards if ledger.shard_status(out, s) == "stale"]
+        if stale and cfg.run.stale == "keep":
+            logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", stale)
         start = time.time()
         code = EXIT_OK
         if selected:

@@ -1,0 +1,53 @@
+"""Scheduled runs over a growing prompt source: only new work is done, changed prompts are caught."""
+
+import shutil
+from pathlib import Path
+
+from conftest import REPO, file_snapshot, launch, read_rows
+
+PROMPTS = (REPO / "conf" / "prompts" / "tiny.txt").read_text().splitlines()  # 20 prompts, shards of 8
+
+
+def shard_files(out: Path, index: int) -> dict:
+    return {k: v for k, v in file_snapshot(out).items() if f"shard-{index:05d}" in k}
+
+
+def test_appending_prompts_generates_only_the_new_shards(run_job, tiny_model, tmp_path):
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}"]
+    prompts.write_text("\n".join(PROMPTS[:13]) + "\n")  # shard 0 full, shard 1 holds 5 of 8
+    assert launch(*args).returncode == 0
+    shard0 = shard_files(out, 0)
+    prompts.write_text("\n".join(PROMPTS) + "\n")  # appended: shard 1 grows, shard 2 is new
+    res = launch(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "generating 2 shards" in res.stderr
+    assert shard_files(out, 0) == shard0  # same bytes, same modification times
+    assert read_rows(out) == read_rows(run_job())  # equal to one clean run over all the prompts
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 2
+
+
+def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_path):
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    shutil.copytree(run_job(), out)
+    edited = [*PROMPTS]
+    edited[10] = "a completely different prompt"
+    prompts.write_text("\n".join(edited) + "\n")
+    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}"]
+    res = launch(*args)
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert "shards [1]" in last and "run.stale=regenerate" in last and "Traceback" not in res.stderr
+    res = launch(*args, "run.stale=keep")
+    assert res.returncode == 0 and "keeping shards [1]" in res.stderr
+    assert read_rows(out)["10"]["prompt"] == PROMPTS[10]
+    before = file_snapshot(out)
+    res = launch(*args, "run.stale=regenerate")
+    assert res.returncode == 0, res.stderr[-2000:]
+    clean = tmp_path / "clean"
+    assert launch(f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={clean}").returncode == 0
+    assert read_rows(out) == read_rows(clean)
+    after = file_snapshot(out)
+    assert {k: v for k, v in after.items() if "00001" not in k and k != "run.json"} == {
+        k: v for k, v in before.items() if "00001" not in k and k != "run.json"
+    }
