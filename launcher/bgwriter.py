@@ -15,13 +15,14 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from launcher import ledger
+from launcher.store import Store
 from launcher.writer import encode_png, write_shard
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ def default_encode_workers(writers_on_host: int) -> int:
 
 
 class BackgroundWriter:
-    def __init__(self, out: Path, output_cfg, encode_workers: int):
-        self.out, self.cfg = out, output_cfg
+    def __init__(self, store: Store, output_cfg, encode_workers: int, on_recorded: Callable[[int], None]):
+        self.store, self.cfg, self.on_recorded = store, output_cfg, on_recorded
         self.failed: list[int] = []
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
@@ -74,7 +75,8 @@ class BackgroundWriter:
                 self.failed.append(job.index)
             job.queued.wait()
             job.state["finished_at"] = time.time()
-            ledger.write_json(ledger.state_path(self.out, job.index), job.state)
+            self.store.write_json(ledger.state_rel(job.index), job.state)
+            self.on_recorded(job.index)
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
@@ -85,7 +87,7 @@ class BackgroundWriter:
         chunk = max(1, len(encode) // (4 * (self._pool._max_workers or 1)))
         for s, png in zip(job.samples, self._pool.map(_encode, encode, chunksize=chunk), strict=True):
             s["png"] = png
-        write_shard(self.out, job.name, job.samples, png=self.cfg.png, parquet=self.cfg.parquet)
+        write_shard(self.store, job.name, job.samples, self.cfg)
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:

@@ -12,52 +12,19 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import yaml
 
-from launcher.ledger import DATA_DIR, STATE_DIR, write_atomic
+from launcher.ledger import DATA_DIR, STATE_DIR
+from launcher.store import Store
+
+RunFolder = Store  # every read of a run folder goes through the Store, local or object store
 
 
-@dataclass(frozen=True)
-class RunFolder:
-    """A run folder on a pyarrow filesystem. Every read goes through here, so an object store can slot in."""
-
-    fs: pafs.FileSystem
-    root: str
-
-    def path(self, rel: str) -> str:
-        return f"{self.root.rstrip('/')}/{rel}"
-
-    def read_bytes(self, rel: str) -> bytes | None:
-        try:
-            with self.fs.open_input_stream(self.path(rel)) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def read_json(self, rel: str) -> dict | None:
-        data = self.read_bytes(rel)
-        return None if data is None else json.loads(data)
-
-    def files(self, rel_dir: str, suffix: str = "") -> list[pafs.FileInfo]:
-        """Files directly under `rel_dir`, by name; temporary files of a live run (hidden names) left out."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        keep = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
-        return sorted((i for i in keep if i.base_name.endswith(suffix)), key=lambda i: i.base_name)
-
-    def parquet(self, rel: str) -> pq.ParquetFile:
-        return pq.ParquetFile(self.fs.open_input_file(self.path(rel)))
-
-
-def open_run(out: str | Path) -> RunFolder:
-    """The run folder at `out`. Local only for now; gs:// and s3:// would come from pafs.FileSystem.from_uri."""
-    if "://" in str(out):
-        raise NotImplementedError(f"{out}: reading run folders from object stores is not supported yet")
-    return RunFolder(pafs.LocalFileSystem(), str(Path(out).resolve()))
+def open_run(out: str | Path | Store) -> Store:
+    """The run folder at `out`: a local path, or a gs:// or s3:// URL."""
+    return out if isinstance(out, Store) else Store(out)
 
 
 def shard_name(index: int) -> str:
@@ -218,12 +185,13 @@ Versions: {", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())}
     return f"---\n{yaml_text}---\n\n{body}"
 
 
-def write_card(out: str | Path) -> Path:
+def write_card(out: str | Path | Store) -> str:
     """Write OUTPUT_DIR/README.md (the dataset card) atomically; return its path."""
-    path, text = Path(out) / "README.md", card_text(open_run(out)).encode()
-    if not path.exists() or path.read_bytes() != text:  # a rerun with nothing new leaves the folder untouched
-        write_atomic(path, text)
-    return path
+    run = open_run(out)
+    text = card_text(run).encode()
+    if run.read_bytes("README.md") != text:  # a rerun with nothing new leaves the folder untouched
+        run.write_bytes("README.md", text)
+    return run.path("README.md")
 
 
 def main(argv: list[str] | None = None) -> int:

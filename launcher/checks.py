@@ -6,7 +6,6 @@ then costs seconds, not a model load on every chip.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import tempfile
@@ -83,13 +82,9 @@ def local_chip_count(device: str) -> int | None:
 
         return torch.cuda.device_count()  # NVML: counts without creating a CUDA context in the launcher
     if device == "tpu":
-        # Not torch.tpu.device_count(): that would start the TPU runtime in the launcher, which then holds the
-        # chips its workers need. The kernel's device files say the same without opening them.
-        visible = os.environ.get("TPU_VISIBLE_CHIPS")
-        if visible:
-            return len([c for c in visible.split(",") if c.strip()])
-        chips = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-        return len(chips) or None
+        from launcher.dist import tpu_chip_count
+
+        return tpu_chip_count() or None
     return None
 
 
@@ -206,8 +201,8 @@ def _check_heads(path: Path, tp: int, what: str, keys: tuple[str, ...], sharded:
 
 def check_output(cfg) -> None:
     out = Path(cfg.output.dir)
-    if str(cfg.output.dir).startswith(("gs://", "s3://")):
-        raise ConfigError(f"output.dir={cfg.output.dir}: object storage is not supported yet; use a local path")
+    if "://" in str(cfg.output.dir):
+        return check_object_store(str(cfg.output.dir))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} is a file; choose a folder")
     probe = out
@@ -223,6 +218,31 @@ def check_output(cfg) -> None:
             f"output.dir {out} cannot be written (creating a file in {probe} fails: {e.strerror}); "
             "choose another folder or fix its permissions"
         ) from None
+
+
+def check_object_store(url: str) -> None:
+    """gs:// or s3://: the client libraries are there and the bucket answers (nothing is written)."""
+    import importlib.util
+
+    scheme, _, rest = url.partition("://")
+    needs = {"s3": ("boto3", "s3"), "gs": ("google.cloud.storage", "gcs")}.get(scheme)
+    if needs is None:
+        raise ConfigError(f"output.dir={url}: unknown scheme {scheme}://; use a local path, gs:// or s3://")
+    if importlib.util.find_spec(needs[0].split(".")[0]) is None:
+        raise ConfigError(f'output.dir={url} needs {needs[0]}: pip install -e ".[{needs[1]}]"')
+    import pyarrow.fs as pafs
+
+    try:
+        fs, root = pafs.FileSystem.from_uri(url)
+        found = fs.get_file_info(root.split("/", 1)[0]).type != pafs.FileType.NotFound
+        problem = "" if found else "no such bucket"
+    except Exception as e:  # whatever the store says: no credentials, unreachable
+        problem = str(e).splitlines()[0]
+    if problem:
+        raise ConfigError(
+            f"output.dir={url} cannot be reached ({problem}); check the bucket name and the credentials "
+            "(the AWS_* variables, or gcloud application default credentials)"
+        )
 
 
 def count_truncated(cfg, rows: list[dict]) -> int:

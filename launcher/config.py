@@ -80,6 +80,7 @@ class OutputConfig:
     dir: str = "${repo:}/outputs/${name}"
     png: bool = True
     parquet: bool = True
+    webdataset: bool = False  # also webdataset/shard-NNNNN.tar with <id>.png and <id>.json per sample
     png_encoder: str = "imagecodecs"  # imagecodecs (libpng) | pil
     png_level: int = 1  # zlib level: 1 is fast, 9 small
     encode_workers: int = 0  # PNG encoding processes per writer rank; 0: half the cores, shared by the writers

@@ -27,8 +27,8 @@ def read_prompts(
 
     Ids default to the row number across all files in order, so appending rows never renumbers earlier ones.
     """
-    if limit is not None and limit < 0:
-        raise ConfigError(f"dataset.limit={limit} is below 0; use 0 or more, or null for all rows")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"dataset.limit={limit} selects no prompts; use 1 or more, or null for all rows")
     rows: list[tuple[str, dict]] = []  # (where it came from, for error messages; the row)
     for f in _files(path):
         rows.extend(_read_file(f, prompt_column, id_column))
@@ -69,7 +69,12 @@ def _files(path: str) -> list[Path]:
     files = [Path(m) for m in matches]
     for f in files:
         if f.is_dir():
-            raise ConfigError(f"dataset.path {f} is a folder; pass a file ({', '.join(FORMATS)}) or a glob")
+            if (f / "state.json").is_file() and (f / "dataset_info.json").is_file():
+                continue  # a folder written by datasets' save_to_disk
+            raise ConfigError(
+                f"dataset.path {f} is a folder but not one written by datasets.save_to_disk; "
+                f"pass a file ({', '.join(FORMATS)}), a glob, or a save_to_disk folder"
+            )
         if f.suffix.lower() not in FORMATS:
             raise ConfigError(
                 f"dataset {f}: unknown format {f.suffix or '(no extension)'!r}; use one of {', '.join(FORMATS)}"
@@ -79,6 +84,8 @@ def _files(path: str) -> list[Path]:
 
 def _read_file(f: Path, col: str, id_col: str | None) -> list[tuple[str, dict]]:
     suffix = f.suffix.lower()
+    if f.is_dir():
+        return _read_saved_dataset(f, col, id_col)
     if suffix == ".parquet":
         return _read_parquet(f, col, id_col)
     text = _text(f)
@@ -149,6 +156,25 @@ def _read_parquet(f: Path, col: str, id_col: str | None) -> list[tuple[str, dict
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise ConfigError(f"dataset {f}: not a readable Parquet file ({_first_line(e)}); rewrite it") from None
     return [(f"dataset {f}, row {n}", r) for n, r in enumerate(table)]
+
+
+def _read_saved_dataset(folder: Path, col: str, id_col: str | None) -> list[tuple[str, dict]]:
+    """A `datasets.save_to_disk` folder: Arrow stream files listed in its state.json, read with pyarrow alone."""
+    import pyarrow as pa
+
+    try:
+        files = [folder / d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]]
+        tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in files]
+    except Exception as e:  # a damaged folder: missing files, bad JSON, bad Arrow
+        raise ConfigError(f"dataset {folder}: not a readable save_to_disk folder ({_first_line(e)})") from None
+    names = tables[0].schema.names if tables else []
+    if col not in names:
+        raise ConfigError(
+            f"dataset {folder} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(names)}"
+        )
+    wanted = [c for c in dict.fromkeys((col, id_col, *OVERRIDE_COLUMNS)) if c in names]
+    rows = [r for t in tables for r in t.select(wanted).to_pylist()]
+    return [(f"dataset {folder}, row {n}", r) for n, r in enumerate(rows)]
 
 
 def _csv_types(r: dict) -> dict:

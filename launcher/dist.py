@@ -6,6 +6,7 @@ tensor-parallel group that generates one shard together, and that group's first 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import logging
 import os
@@ -34,9 +35,21 @@ def resolve_device(device: str) -> str:
         return device
     import torch
 
-    if torch_tpu_installed() and getattr(torch, "tpu", None) is not None and torch.tpu.is_available():
+    if torch_tpu_installed() and tpu_chip_count():
         return "tpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tpu_chip_count() -> int:
+    """TPU chips on this host, from the kernel's device files.
+
+    Not torch.tpu.device_count(): in the launcher that would start the TPU runtime, which then holds the chips
+    its workers need.
+    """
+    visible = os.environ.get("TPU_VISIBLE_CHIPS")
+    if visible:
+        return len([c for c in visible.split(",") if c.strip()])
+    return len(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def local_device(device_type: str):

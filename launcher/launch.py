@@ -8,9 +8,11 @@ worker, and it can map the outcome to the contract's exit codes (torchrun itself
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
 from launcher.execution import mode_env
-from launcher.summary import Progress, append_run_record, summarize
+from launcher.summary import Progress, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -90,49 +92,47 @@ def run_elastic(args: list[str]) -> int:
 
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher import ledger
+    from launcher.card import write_card
+    from launcher.checks import count_truncated
     from launcher.lock import RunLock
-    from launcher.shards import worker_shards
+    from launcher.store import Store
     from launcher.workers import resolve_workers
 
-    out = Path(cfg.output.dir)
+    store = Store(cfg.output.dir)
     if not cfg.run.overwrite:
-        ledger.check_run_json(out, cfg)
+        ledger.check_run_json(store, cfg)
     shards, selected = ledger.plan(cfg)  # validates the selection before anything is written
-    index, count = resolve_workers(cfg)
-    worker_share = set(worker_shards([s.index for s in shards], index, count))
-    with RunLock(out, index):
+    index, _ = resolve_workers(cfg)
+    start = time.time()
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+    with RunLock(store, index, run_id):
         if cfg.run.overwrite:
-            ledger.discard_outputs(out)
+            ledger.discard_outputs(store)
             shards, selected = ledger.plan(cfg)
-        ledger.check_run_json(out, cfg)
-        ledger.write_run_json(out, cfg, shards)
-        for shard in shards:  # leftovers of a killed attempt; only this worker writes its own shards
-            if shard.index in worker_share:
-                ledger.clean_tmp(out, shard.index)
-        stale = [s.index for s in shards if ledger.shard_status(out, s) == "stale"]
+        ledger.check_run_json(store, cfg)
+        ledger.write_run_json(store, cfg, shards)
+        ledger.clean_tmp(store)
+        stale = [i for i, st in ledger.statuses(store, shards).items() if st == "stale"]
         if stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", stale)
-        start = time.time()
         code = EXIT_OK
         if selected:
-            logger.info(
-                "generating %d shards (%d samples) into %s",
-                len(selected),
-                sum(len(shards[i].rows) for i in selected),
-                out,
-            )
-            os.environ.update(plan_.env)
+            samples = sum(len(shards[i].rows) for i in selected)
+            logger.info("generating %d shards (%d samples) into %s", len(selected), samples, store)
+            os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
             if plan_.tpu_launch_env:
                 set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
-            with Progress(out, [shards[i] for i in selected], start):
+            with Progress(store, samples, run_id):
                 code = run_elastic(plan_.torchrun_args)
         else:
-            logger.info("nothing to do: every selected shard of %s is done", out)
+            logger.info("nothing to do: every selected shard of %s is done", store)
         rerun = ["./launch.sh", f"conf={conf}", *(o for o in overrides if not o.startswith("run.shards="))]
-        lines, record = summarize(out, shards, selected, start, code, rerun)
-        if code == EXIT_OK and any(ledger.shard_status(out, shards[i]) == "failed" for i in selected):
+        truncated = count_truncated(cfg, [r for i in selected for r in shards[i].rows])
+        lines, record = summarize(store, shards, run_id, start, code, rerun, truncated)
+        if code == EXIT_OK and record["failed_now"]:
             code = record["exit_code"] = EXIT_SHARDS_FAILED
-        append_run_record(out, record)
+        store.append_line("runs.jsonl", json.dumps(record))
+        write_card(store)
     for line in lines:
         logger.info(line)
     return code
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         if dry_run:
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
-        ensure_model(cfg)
         preflight(cfg)
+        ensure_model(cfg)
         return supervise(cfg, conf, overrides, plan_)
     except (ConfigError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,9 +1,12 @@
-"""One live run per (output folder, worker index): an flock'd file that names its owner.
+"""One live run per (output folder, worker index), and how other runs tell whether that run is alive.
 
-We chose a kernel lock (flock) over a lock file with liveness checks: the kernel drops it the moment its owner
-dies, however it dies (kill -9 included), so a stale lock cannot exist and two launchers can never both take it.
-The file's content (host, pid, start time) is only there so that a refused launch can name the holder (exit 4).
-It needs a local or POSIX-locking file system; object stores get per-shard claims instead.
+The lock's record names its holder: host, pid, run id, start time and a heartbeat that its holder refreshes.
+- On disk the record lives in a file the launcher holds with flock: the kernel drops the lock the moment its
+  holder dies, however it dies (kill -9 included), so a stale lock cannot block a later run.
+- On an object store there is no flock: the lock is an object created with a conditional PUT; a holder whose
+  heartbeat is older than STALE_S is presumed dead and its lock is taken over (write, wait, read back: of two
+  launchers taking over at once, the one whose record is read back wins, the other exits 4).
+A refused launch exits 4 and names the holder.
 """
 
 from __future__ import annotations
@@ -12,42 +15,113 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
-from pathlib import Path
 
 from launcher.errors import LockHeld
+from launcher.store import Store
+
+HEARTBEAT_S = 10
+STALE_S = 60
+
+
+def lock_rel(worker_index: int, store: Store) -> str:
+    return f"locks/worker-{worker_index:05d}.{'lock' if store.is_local else 'json'}"
+
+
+def read_lock(store: Store, worker_index: int) -> dict | None:
+    try:
+        data = store.read_bytes(lock_rel(worker_index, store))
+        return json.loads(data) if data else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_alive(store: Store, worker_index: int, run_id: str) -> bool:
+    """Whether the run `run_id` of this worker index still holds its lock (so its claims are live)."""
+    rec = read_lock(store, worker_index)
+    if not rec or rec.get("run_id") != run_id:
+        return False
+    if rec.get("host") == socket.gethostname():
+        return pid_alive(rec["pid"])
+    return time.time() - rec.get("heartbeat", 0) < STALE_S
 
 
 class RunLock:
-    def __init__(self, out: Path, worker_index: int):
-        self.path = Path(out) / "locks" / f"worker-{worker_index:05d}.lock"
+    def __init__(self, store: Store, worker_index: int, run_id: str):
+        self.store, self.index, self.rel = store, worker_index, lock_rel(worker_index, store)
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": run_id,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         self._fd: int | None = None
+        self._stop = threading.Event()
+
+    def _refused(self, holder: dict | None) -> LockHeld:
+        h = holder or {}
+        return LockHeld(
+            f"another run is active on {self.store} (workers.index={self.index}): host {h.get('host', '?')}, "
+            f"pid {h.get('pid', '?')}, started {h.get('started', '?')}; wait for it to finish or stop it"
+        )
+
+    def _payload(self) -> bytes:
+        return json.dumps({**self.record, "heartbeat": time.time()}).encode()
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "{}"
-            os.close(fd)
-            h = json.loads(holder) if holder.startswith("{") else {}
-            raise LockHeld(
-                f"another run is active on {self.path.parent.parent} ({self.path.stem}): "
-                f"host {h.get('host', '?')}, pid {h.get('pid', '?')}, started {h.get('started', '?')}; "
-                "wait for it to finish or stop it"
-            ) from None
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        self._fd = fd
+        if self.store.is_local:
+            path = self.store.local(self.rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._refused(read_lock(self.store, self.index)) from None
+            self._fd = fd
+            self._write()
+        elif not self.store.create_exclusive(self.rel, self._payload()):
+            holder = read_lock(self.store, self.index)
+            if holder and time.time() - holder.get("heartbeat", 0) < STALE_S:
+                raise self._refused(holder)
+            self._write()  # take over a dead holder's lock, then make sure no other launcher did the same
+            time.sleep(2)
+            if (read_lock(self.store, self.index) or {}).get("run_id") != self.record["run_id"]:
+                raise self._refused(read_lock(self.store, self.index))
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def _write(self) -> None:
+        if self._fd is not None:
+            data = self._payload()
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+        else:
+            self.store.write_bytes(self.rel, self._payload())
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self._write()
 
     def release(self) -> None:
+        self._stop.set()
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+        elif (read_lock(self.store, self.index) or {}).get("run_id") == self.record["run_id"]:
+            self.store.delete(self.rel)
 
     def __enter__(self):
         self.acquire()

@@ -9,22 +9,26 @@ peers block in the collective until `run.timeout_s`, then the job ends with a cr
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch.distributed as dist
 
 from jobs.text_to_image import make_batches, run_batch
 from launcher import ledger
 from launcher.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
+from launcher.claims import Claims
 from launcher.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.execution import CompileStats, apply_compile, cache_hits
 from launcher.pipeline import load_pipeline
-from launcher.shards import Shard, replica_shards
+from launcher.shards import Shard, preference
+from launcher.store import Store
 from launcher.timing import StageTimer
+from launcher.workers import resolve_workers
 
 logger = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # enough to trace every graph of a denoising step; steps are not part of the shape
@@ -41,6 +45,8 @@ class Worker:
     groups: Groups
     timer: StageTimer
     writer: BackgroundWriter | None  # only on each tp group's first rank
+    store: Store | None = None
+    run_id: str = ""
     compile_stats: CompileStats = field(default_factory=CompileStats)
     warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
 
@@ -50,29 +56,44 @@ def run_worker(cfg) -> int:
     device = init_distributed(device_type, cfg.run.timeout_s)
     mesh = ParallelDims(cfg.mesh.dp, cfg.mesh.tp, dist.get_world_size()).build_mesh(device_type)
     groups = build_groups(mesh)
-    # One rank decides what to run and tells the others: a fast replica may finish a shard before a slow
-    # rank would have looked, and every rank must see the same selection.
+    # One rank reads what to run and tells the others, so that every rank works from the same selection.
     box = [ledger.plan(cfg) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=groups.world_control)
     shards, selected = box[0]
-    mine = replica_shards(selected, groups.dp_rank, cfg.mesh.dp)
-    logger.info("%d shards selected for this worker; dp replica %d runs %s", len(selected), groups.dp_rank, mine)
-    if not mine:
+    index, count = resolve_workers(cfg)
+    slot, slots = index * cfg.mesh.dp + groups.dp_rank, count * cfg.mesh.dp
+    order = preference(selected, slot, slots)
+    logger.info(
+        "%d shards to generate by %d workers; dp replica %d tries %s first",
+        len(selected),
+        count,
+        groups.dp_rank,
+        selected[slot::slots],
+    )
+    store = Store(cfg.output.dir)
+    run_id = os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"
+    claims = Claims(store, index, run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))
+    # Claim a first shard before the (long) model load, so workers starting together split the work at once.
+    w = Worker(cfg, None, groups, None, None, store, run_id)
+    first = _next_shard(w, claims, order)
+    if first is None:  # other workers hold every shard: no need to load the model
         dist.destroy_process_group()
         return EXIT_OK
-    pipe = load_pipeline(cfg, device, mesh)
+    w.pipe = pipe = load_pipeline(cfg, device, mesh)
     writer = None
     if groups.is_writer:
         writers_here = max(1, cfg.mesh.dp // cfg.mesh.nodes)
         n_enc = cfg.output.encode_workers or default_encode_workers(writers_here)
-        writer = BackgroundWriter(Path(cfg.output.dir), cfg.output, n_enc)
-    w = Worker(cfg, pipe, groups, StageTimer(pipe, device), writer)
+        writer = BackgroundWriter(store, cfg.output, n_enc, on_recorded=claims.release)
+    w.timer, w.writer = StageTimer(pipe, device), writer
     apply_compile(pipe, cfg, device_type, w.compile_stats)
     code = EXIT_OK
-    for i in mine:
+    i = first
+    while i is not None:
         if not run_shard(w, shards[i]) and cfg.run.on_error == "abort":
             code = EXIT_SHARDS_FAILED
             break
+        i = _next_shard(w, claims, order)
     if writer is not None:
         writer.close()
         if writer.failed and cfg.run.on_error == "abort":
@@ -80,6 +101,18 @@ def run_worker(cfg) -> int:
     logger.info("%d distinct batch shapes, %d compiles", len(w.warmed), w.compile_stats.compiles)
     dist.destroy_process_group()
     return code
+
+
+def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
+    """The next shard this dp group generates: claimed by its first rank, told to the others."""
+    box = [None]
+    if w.groups.is_writer:
+        while order and box[0] is None:
+            i = order.pop(0)
+            if claims.try_claim(i):
+                box[0] = i
+    dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
+    return box[0]
 
 
 def _agree(groups: Groups, error: str | None) -> str | None:
@@ -111,7 +144,8 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     cfg, groups = w.cfg, w.groups
     inject = shard.index in cfg.testing.fail_shards and groups.tp_rank == cfg.mesh.tp - 1
     if groups.is_writer:
-        ledger.clean_tmp(Path(cfg.output.dir), shard.index)
+        logger.info("shard %d: generating %d samples", shard.index, len(shard.rows))
+        ledger.clean_tmp(w.store, shard.index)
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
     samples, error = [], None
@@ -134,6 +168,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         "status": "failed" if error else "done",
         "rows": len(shard.rows),
         "prompts_fingerprint": shard.fingerprint,
+        "run_id": w.run_id,
         "seconds": round(seconds, 4),
         "images_per_s": None if error else round(len(shard.rows) / seconds, 3),
         "stages": {**w.timer.take(), "warmup": round(warmup, 4)},

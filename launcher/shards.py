@@ -75,14 +75,14 @@ def row_seed(row: dict, base_seed: int) -> int:
     return int(row["seed"]) if row.get("seed") is not None else sample_seed(base_seed, row["id"])
 
 
-def worker_shards(shard_ids: list[int], index: int, count: int) -> list[int]:
-    """This worker's share of the shards: shard i belongs to worker i % count."""
-    return [i for i in shard_ids if i % count == index]
+def preference(selected: list[int], slot: int, slots: int) -> list[int]:
+    """The order in which one dp group (slot `slot` of `slots` = workers x dp) tries the selected shards.
 
-
-def replica_shards(shard_ids: list[int], replica: int, dp: int) -> list[int]:
-    """dp replica r takes every dp-th of the selected shards, so a rerun of a few shards is still spread evenly."""
-    return sorted(shard_ids)[replica::dp]
+    Its own share first (every `slots`-th of them, so the slots split any selection evenly), then the others,
+    which it generates only when their own slot has not claimed them (launcher/claims.py).
+    """
+    own = selected[slot::slots]
+    return own + [i for i in selected if i not in set(own)]
 
 
 def parse_selection(spec, n_shards: int) -> str | list[int]:

@@ -1,12 +1,12 @@
-"""What a run tells its user: a progress bar while it runs, a summary at the end, one line in runs.jsonl.
+"""What a run tells its user: a progress bar while it runs, and a summary (and runs.jsonl record) at the end.
 
 Both read only the run folder's state files, like tools/status.py: the launcher, not a worker, shows the bar
-for the whole run (all dp replicas), and the workers stay quiet.
+for the whole run (all dp replicas), and the workers stay quiet. A shard belongs to this run when its state
+file carries this run's id.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
@@ -18,33 +18,25 @@ from tqdm import tqdm
 
 from launcher import ledger
 from launcher.shards import Shard
-
-
-def _states_since(out: Path, shards: list[Shard], since: float) -> dict[int, dict]:
-    """State files of these shards written by this run (not by an earlier one)."""
-    states = {}
-    for s in shards:
-        st = ledger.read_state(out, s.index)
-        if st and st.get("finished_at", 0) >= since:
-            states[s.index] = st
-    return states
+from launcher.store import Store
 
 
 class Progress:
-    """A tqdm bar over the run's samples, fed by polling the state files once a second."""
+    """A tqdm bar over the run's samples, fed by polling the state files every few seconds."""
 
-    def __init__(self, out: Path, shards: list[Shard], since: float):
-        self.out, self.shards, self.since = out, shards, since
+    def __init__(self, store: Store, total: int, run_id: str):
+        self.store, self.run_id = store, run_id
         self._stop = threading.Event()
         interactive = sys.stderr.isatty()
         self._bar = tqdm(
-            total=sum(len(s.rows) for s in shards),
+            total=total,
             unit="img",
             desc="generating",
             dynamic_ncols=True,
             mininterval=1 if interactive else 30,
             smoothing=0.1,
         )
+        self._every = 1.0 if store.is_local else 10.0  # listing an object store costs requests
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def __enter__(self):
@@ -58,14 +50,13 @@ class Progress:
         self._bar.close()
 
     def _poll(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(self._every):
             self._update()
 
     def _update(self) -> None:
-        states = _states_since(self.out, self.shards, self.since)
-        done = sum(st["rows"] for st in states.values() if st["status"] == "done")
-        failed = sum(st["status"] == "failed" for st in states.values())
-        self._bar.set_postfix(failed_shards=failed, refresh=False)
+        mine = [st for st in ledger.read_states(self.store).values() if st.get("run_id") == self.run_id]
+        done = sum(st["rows"] for st in mine if st["status"] == "done")
+        self._bar.set_postfix(failed_shards=sum(st["status"] == "failed" for st in mine), refresh=False)
         self._bar.update(done - self._bar.n)
 
 
@@ -83,17 +74,18 @@ def code_version() -> str | None:
 
 
 def summarize(
-    out: Path,
-    all_shards: list[Shard],
-    selected: list[int],
+    store: Store,
+    shards: list[Shard],
+    run_id: str,
     start: float,
     exit_code: int,
     rerun: list[str],
     truncated: int | None = None,
 ) -> tuple[list[str], dict]:
     """The end-of-run summary lines, and the record appended to runs.jsonl."""
-    status = {s.index: ledger.shard_status(out, s) for s in all_shards}
-    ran = _states_since(out, [all_shards[i] for i in selected], start)
+    states = ledger.read_states(store)
+    status = {s.index: ledger.shard_status(states.get(s.index), s) for s in shards}
+    ran = {i: st for i, st in states.items() if st.get("run_id") == run_id}
     images = sum(st["rows"] for st in ran.values() if st["status"] == "done")
     wall = time.time() - start
     stages: dict[str, float] = {}
@@ -105,8 +97,10 @@ def summarize(
     record = {
         "start": _iso(start),
         "end": _iso(time.time()),
+        "run_id": run_id,
         "exit_code": exit_code,
         "generated": len(ran),
+        "failed_now": sorted(i for i, st in ran.items() if st["status"] != "done"),
         **counts,
         "images": images,
         "seconds": round(wall, 2),
@@ -121,18 +115,13 @@ def summarize(
         + (f", {counts['stale']} stale (kept)" if counts["stale"] else ""),
         f"this run: {images} images from {len(ran)} shards in {wall:.1f} s ({record['images_per_s']} images/s)",
         "time per stage (s, summed over shards): " + ", ".join(f"{k} {v}" for k, v in stages.items()),
-        f"outputs: {out}",
+        f"outputs: {store}",
     ]
     if truncated:
         lines.append(f"{truncated} prompts were longer than generate.max_sequence_length and were truncated")
     if failed:
         lines.append(f"failed shards {failed}; rerun them with: {shlex.join([*rerun, 'run.shards=failed'])}")
     return lines, record
-
-
-def append_run_record(out: Path, record: dict) -> None:
-    with open(out / "runs.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def _iso(t: float) -> str:

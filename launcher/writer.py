@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
-from pathlib import Path
+import re
+import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from launcher.ledger import DATA_DIR, IMAGES_DIR, TMP_MARK, write_atomic
+from launcher.ledger import DATA_DIR, IMAGES_DIR, WDS_DIR
+from launcher.store import Store
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema
 # metadata below says so.
@@ -58,26 +58,42 @@ def encode_png(pixels, encoder: str = "imagecodecs", level: int = 1) -> bytes:
     return buf.getvalue()
 
 
-def write_shard(out: Path, shard_name: str, samples: list[dict], png: bool = True, parquet: bool = True) -> None:
+def file_stem(sample_id: str) -> str:
+    """A sample's file name stem: its id, with anything unsafe in a path or a WebDataset key replaced."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", sample_id)
+
+
+def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> None:
     """Write a shard's files. `samples` hold the row fields of SCHEMA, with `png` holding the encoded image.
 
-    Files appear complete or not at all: PNGs go to a hidden folder that is renamed into place, Parquet to a
-    temporary file that is renamed. The caller writes the shard's state file after this returns.
+    Each file appears whole or not at all (launcher/store.py). The caller writes the state file after this.
     """
-    if png:
-        final = out / IMAGES_DIR / shard_name
-        tmp = out / IMAGES_DIR / f".{shard_name}{TMP_MARK}{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for s in samples:
-            (tmp / f"{s['id']}.png").write_bytes(s["png"])
-        shutil.rmtree(final, ignore_errors=True)  # an earlier attempt that was never marked done
-        os.replace(tmp, final)
-    if parquet:
+    if output_cfg.png:
+        store.put_folder(f"{IMAGES_DIR}/{shard_name}", {f"{file_stem(s['id'])}.png": s["png"] for s in samples})
+    if output_cfg.parquet:
         rows = [
-            {**{k: s.get(k) for k in SCHEMA.names}, "image": {"bytes": s["png"], "path": f"{s['id']}.png"}}
+            {**{k: s.get(k) for k in SCHEMA.names}, "image": {"bytes": s["png"], "path": f"{file_stem(s['id'])}.png"}}
             for s in samples
         ]
         buf = io.BytesIO()
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
-        write_atomic(out / DATA_DIR / f"{shard_name}.parquet", buf.getvalue())
+        store.write_bytes(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
+    if output_cfg.webdataset:
+        store.write_bytes(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples))
+
+
+def webdataset_tar(samples: list[dict]) -> bytes:
+    """A WebDataset shard: `<key>.png` and `<key>.json` per sample, in order, with fixed metadata so that the
+    same samples always give the same bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for s in samples:
+            meta = {k: s.get(k) for k in SCHEMA.names if k != "image"}
+            for name, data in (
+                (f"{file_stem(s['id'])}.png", s["png"]),
+                (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True).encode()),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

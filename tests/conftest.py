@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -45,11 +45,13 @@ def run_job(tiny_model, tmp_path_factory):
     return run
 
 
-def read_rows(out: Path) -> dict[str, dict]:
-    """Every sample of a run folder, by id, read back from its Parquet files."""
-    rows = {}
-    for f in sorted((out / "data").glob("shard-*.parquet")):
-        for r in pq.read_table(f).to_pylist():
+def read_rows(out) -> dict[str, dict]:
+    """Every sample of a run folder (a local path or an s3:// URL), by id, read back from its Parquet files."""
+    from launcher.store import Store
+
+    store, rows = Store(out), {}
+    for f in store.files("data", ".parquet"):
+        for r in store.parquet(f"data/{f.base_name}").read().to_pylist():
             assert r["id"] not in rows, f"sample {r['id']} appears twice"
             rows[r["id"]] = r
     return rows
@@ -76,3 +78,41 @@ def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
         for p in sorted(out.rglob("*"))
         if p.is_file() and (p.parts[len(out.parts)] in ("data", "images", "state") or p.name == "run.json")
     }
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A local S3-compatible server (moto) on 127.0.0.1, with a bucket; yields the env that reaches it."""
+    import socket
+
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    )
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # for this process's own reads (status, card, comparisons)
+        boto3.client("s3").create_bucket(Bucket="meshgen-test")
+        yield env
+    finally:
+        server.terminate()
+        server.wait()
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

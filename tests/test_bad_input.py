@@ -185,7 +185,7 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
     monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
     # A v6e-8: eight chips, as /dev/vfio/0..7 (older TPUs show /dev/accel0..N instead).
     monkeypatch.setattr(
-        "launcher.checks.glob.glob", lambda p: [f"/dev/vfio/{i}" for i in range(8)] if "vfio" in p else []
+        "launcher.dist.glob.glob", lambda p: [f"/dev/vfio/{i}" for i in range(8)] if "vfio" in p else []
     )
     assert local_chip_count("tpu") == 8
     monkeypatch.setenv("TPU_VISIBLE_CHIPS", "0,1")

@@ -23,7 +23,9 @@ def test_auto_device_prefers_tpu_then_cuda_then_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert mdist.resolve_device("auto") == "cuda"
     monkeypatch.setattr(mdist, "torch_tpu_installed", lambda: True)
-    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    monkeypatch.setattr(mdist, "tpu_chip_count", lambda: 0)
+    assert mdist.resolve_device("auto") == "cuda"
+    monkeypatch.setattr(mdist, "tpu_chip_count", lambda: 8)
     assert mdist.resolve_device("auto") == "tpu"
 
 

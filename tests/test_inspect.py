@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,9 +54,9 @@ def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path):
     import datasets
 
     out = copy_run(run_job(), tmp_path / "run")
-    card = write_card(out).read_text()
+    card = Path(write_card(out)).read_text()
     mtime = (out / "README.md").stat().st_mtime_ns
-    assert write_card(out).stat().st_mtime_ns == mtime  # nothing new: not rewritten
+    assert Path(write_card(out)).stat().st_mtime_ns == mtime  # nothing new: not rewritten
     front = front_matter(card)
     assert {"name": "image", "dtype": "image"} in front["dataset_info"]["features"]
     assert {"name": "prompt", "dtype": "string"} in front["dataset_info"]["features"]

@@ -10,11 +10,10 @@ from launcher.errors import ConfigError
 from launcher.shards import (
     cut_shards,
     parse_selection,
-    replica_shards,
+    preference,
     row_seed,
     sample_seed,
     settings_fingerprint,
-    worker_shards,
 )
 from launcher.workers import resolve_workers
 
@@ -27,18 +26,17 @@ def test_parallel_dims_checks_the_world_size_with_numbers():
         ParallelDims(0, 2, 0)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 3, 4])
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_every_shard_exactly_once(dp, workers):
+@pytest.mark.parametrize("slots", range(1, 13))  # workers x dp replicas
+def test_slots_split_any_selection_exactly_once(slots):
     selected = [0, 2, 3, 5, 6, 7, 8, 11, 12, 13]
-    taken = [
-        i for w in range(workers) for r in range(dp) for i in replica_shards(worker_shards(selected, w, workers), r, dp)
-    ]
-    assert sorted(taken) == selected
+    shares = [preference(selected, slot, slots)[: len(selected[slot::slots])] for slot in range(slots)]
+    assert sorted(i for share in shares for i in share) == selected
+    for slot in range(slots):
+        assert sorted(preference(selected, slot, slots)) == selected  # and each may take over any other
 
 
-def test_a_few_shards_are_spread_over_replicas():
-    assert [replica_shards([3, 9, 14], r, 3) for r in range(3)] == [[3], [9], [14]]
+def test_a_few_shards_are_spread_over_slots():
+    assert [preference([3, 9, 14], s, 3)[0] for s in range(3)] == [3, 9, 14]
 
 
 def test_seeds_depend_on_seed_and_id_only():

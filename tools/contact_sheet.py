@@ -16,7 +16,8 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from launcher.card import RunFolder, open_run, shard_name, summarize
-from launcher.ledger import DATA_DIR, IMAGES_DIR, write_atomic
+from launcher.ledger import DATA_DIR, IMAGES_DIR
+from launcher.store import Store
 
 THUMB = 192  # each image is fitted into a THUMB x THUMB square
 PAD = 8
@@ -116,7 +117,7 @@ def png_bytes(image: Image.Image) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("output_dir", help="the run folder (a local path; object-store URLs later)")
+    parser.add_argument("output_dir", help="the run folder: a local path, gs://... or s3://...")
     parser.add_argument("--n", type=int, default=16, help="how many samples (default 16)")
     parser.add_argument("--cols", type=int, default=4, help="images per row (default 4)")
     parser.add_argument("--out", type=Path, help="where to write the PNG (default OUTPUT_DIR/contact_sheet.png)")
@@ -126,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dest = args.out or Path(args.output_dir) / "contact_sheet.png"
-    write_atomic(dest, png_bytes(sheet))
-    print(dest)
+    if args.out:  # a local file
+        Store(args.out.parent).write_bytes(args.out.name, png_bytes(sheet))
+        print(args.out)
+    else:  # into the run folder, local or object store
+        run = Store(args.output_dir)
+        run.write_bytes("contact_sheet.png", png_bytes(sheet))
+        print(run.path("contact_sheet.png"))
     return 0
 
 

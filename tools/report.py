@@ -17,7 +17,7 @@ from pathlib import Path
 from contact_sheet import contact_sheet, png_bytes
 
 from launcher.card import open_run, summarize
-from launcher.ledger import write_atomic
+from launcher.store import Store
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
@@ -151,7 +151,7 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("output_dir", help="the run folder (a local path; object-store URLs later)")
+    parser.add_argument("output_dir", help="the run folder: a local path, gs://... or s3://...")
     parser.add_argument("--out", type=Path, help="where to write the page (default OUTPUT_DIR/report.html)")
     args = parser.parse_args(argv)
     try:
@@ -159,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dest = args.out or Path(args.output_dir) / "report.html"
-    write_atomic(dest, page.encode())
-    print(dest)
+    if args.out:  # a local file
+        Store(args.out.parent).write_bytes(args.out.name, page.encode())
+        print(args.out)
+    else:  # into the run folder, local or object store
+        run = Store(args.output_dir)
+        run.write_bytes("report.html", page.encode())
+        print(run.path("report.html"))
     return 0
 
 

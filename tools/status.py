@@ -9,18 +9,20 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
-from launcher.ledger import read_json, read_state
+from launcher.ledger import read_states
+from launcher.store import Store
 
 
-def collect(out: Path) -> dict:
-    run = read_json(out / "run.json")
+def collect(out: str) -> dict:
+    store = Store(out)
+    run = store.read_json("run.json")
     if run is None:
         raise SystemExit(f"error: {out} has no run.json; is it a meshgen output folder?")
     shards, errors = {}, {}
+    states = read_states(store)
     for i in range(run["shards"]):
-        st = read_state(out, i) or {}
+        st = states.get(i, {})
         shards[str(i)] = st.get("status", "pending")
         if shards[str(i)] == "failed":
             errors[str(i)] = st.get("error", "")
@@ -28,7 +30,7 @@ def collect(out: Path) -> dict:
     return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"]}
 
 
-def rerun_command(out: Path, info: dict) -> str:
+def rerun_command(out: str, info: dict) -> str:
     failed = [int(i) for i, s in info["shards"].items() if s == "failed"]
     ids = "[" + ",".join(map(str, failed)) + "]"
     return shlex.join(["./launch.sh", f"conf={info['conf']}", f"output.dir={out}", f"run.shards={ids}"])
@@ -36,7 +38,7 @@ def rerun_command(out: Path, info: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("output_dir", help="the run folder: a local path, gs://... or s3://...")
     parser.add_argument("--json", action="store_true", help="print the counts and per-shard status as JSON")
     args = parser.parse_args(argv)
     info = collect(args.output_dir)

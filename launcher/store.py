@@ -1,0 +1,171 @@
+"""The output folder, on local disk or an object store (`gs://`, `s3://`), through pyarrow.fs.
+
+Every read and write of a run folder goes through a Store, so the same guarantees hold everywhere:
+- a file appears whole or not at all: on disk through a temporary name and a rename; on an object store by
+  one PUT (pyarrow completes a multipart upload atomically), so no temporary objects exist there;
+- `create_exclusive` creates a file only if it does not exist yet, atomically: `O_EXCL` on disk, a
+  conditional PUT on S3 (`If-None-Match: *`) and on GCS (`ifGenerationMatch=0`). Claims and object-store locks
+  are built on it.
+Credentials come from the standard places: the `AWS_*` variables (`AWS_ENDPOINT_URL` included) for S3, and
+Google's application default credentials for GCS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+TMP_MARK = ".tmp-"
+
+
+class Store:
+    def __init__(self, uri: str | os.PathLike):
+        uri = str(uri)
+        self.is_local = "://" not in uri
+        if self.is_local:
+            self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).resolve())
+        else:
+            self.fs, self.root = pafs.FileSystem.from_uri(uri.rstrip("/"))
+        self.uri = self.root if self.is_local else uri.rstrip("/")
+        self.scheme = "file" if self.is_local else uri.split("://", 1)[0]
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def path(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def local(self, rel: str = "") -> Path:
+        """The local path of `rel` (local stores only: locks and temporary files exist only there)."""
+        assert self.is_local, "only a local store has local paths"
+        return Path(self.path(rel))
+
+    # -- reading
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except (FileNotFoundError, OSError) as e:
+            if isinstance(e, FileNotFoundError) or "NoSuchKey" in str(e) or "not found" in str(e).lower():
+                return None
+            raise
+
+    def read_json(self, rel: str) -> dict | None:
+        data = self.read_bytes(rel)
+        return None if data is None else json.loads(data)
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def files(self, rel_dir: str, suffix: str = "") -> list[pafs.FileInfo]:
+        """Files directly under `rel_dir`, by name; temporary files of a live run (hidden names) left out."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        keep = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
+        return sorted((i for i in keep if i.base_name.endswith(suffix)), key=lambda i: i.base_name)
+
+    def parquet(self, rel: str) -> pq.ParquetFile:
+        return pq.ParquetFile(self.fs.open_input_file(self.path(rel)))
+
+    # -- writing
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write `rel` whole or not at all."""
+        if not self.is_local:
+            with self.fs.open_output_stream(self.path(rel)) as f:  # one object, visible once complete
+                f.write(data)
+            return
+        path = self.local(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_json(self, rel: str, obj: dict) -> None:
+        self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+    def append_line(self, rel: str, line: str) -> None:
+        if self.is_local:
+            self.local(rel).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.local(rel), "a") as f:
+                f.write(line.rstrip("\n") + "\n")
+        else:  # objects cannot be appended to: rewrite (one writer per run folder holds the lock)
+            self.write_bytes(rel, (self.read_bytes(rel) or b"") + line.rstrip("\n").encode() + b"\n")
+
+    def put_folder(self, rel: str, files: dict[str, bytes]) -> None:
+        """Replace the folder `rel` with `files`: on disk all at once (a renamed temporary folder)."""
+        if not self.is_local:
+            self.delete_dir(rel)
+            for name, data in files.items():
+                self.write_bytes(f"{rel}/{name}", data)
+            return
+        import shutil
+
+        final = self.local(rel)
+        tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        shutil.rmtree(final, ignore_errors=True)  # an earlier attempt that was never marked done
+        os.replace(tmp, final)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self.path(rel))
+        except (FileNotFoundError, OSError):
+            pass
+
+    def delete_dir(self, rel: str) -> None:
+        try:
+            self.fs.delete_dir(self.path(rel))
+        except (FileNotFoundError, OSError):
+            pass
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create `rel` with `data` if it does not exist; False if it does. Atomic on every backend."""
+        if self.is_local:
+            path = self.local(rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        bucket, _, key = self.path(rel).partition("/")
+        if self.scheme == "s3":
+            return _s3_create_exclusive(bucket, key, data)
+        if self.scheme == "gs":
+            return _gcs_create_exclusive(bucket, key, data)
+        raise NotImplementedError(f"no atomic create for {self.scheme}://")
+
+
+def _s3_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
+    import boto3
+    from botocore.exceptions import ClientError
+
+    try:
+        boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False
+        raise
+    return True
+
+
+def _gcs_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
+    from google.api_core.exceptions import PreconditionFailed
+    from google.cloud import storage
+
+    try:
+        storage.Client().bucket(bucket).blob(key).upload_from_string(data, if_generation_match=0)
+    except PreconditionFailed:
+        return False
+    return True

@@ -1,0 +1,121 @@
+"""Several workers on one job, on local disk and on an S3-compatible store: shards shared, none lost or doubled."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LAUNCH, launch, read_rows
+
+from launcher.store import Store
+
+N = 16  # prompts in shards of 2
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("prompts") / "p.txt"
+    prompts.write_text("".join(f"worker test prompt {i}\n" for i in range(N)))
+    return [
+        f"model.path={tiny_model}",
+        f"dataset.path={prompts}",
+        "run.shard_size=2",
+        "mesh.tp=1",
+        "generate.num_inference_steps=30",
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_worker(job, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+def run_two_workers(job, out: str, env: dict | None = None) -> list[list[int]]:
+    """Launch workers 0 and 1 of 2 at once; the shards each one generated."""
+    import os
+
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    procs = [
+        subprocess.Popen(
+            [LAUNCH, *job, f"output.dir={out}", f"workers.index={i}", "workers.count=2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[1] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return [[int(m) for m in re.findall(r"shard (\d+): generating", log)] for log in logs]
+
+
+def assert_same_layout(store, local: Path) -> None:
+    """The same data, image and state files on the object store as in a local run folder."""
+    want = sorted(
+        str(p.relative_to(local))
+        for p in local.rglob("*")
+        if p.is_file() and p.parts[len(local.parts)] in ("data", "images", "state")
+    )
+    got = [f"{d}/{f.base_name}" for d in ("data", "state") for f in store.files(d)]
+    shard_dirs = sorted({p.split("/")[1] for p in want if p.startswith("images/")})
+    got += [f"images/{d}/{f.base_name}" for d in shard_dirs for f in store.files(f"images/{d}")]
+    assert sorted(got) == want
+
+
+def assert_each_shard_once(done: list[list[int]], expected: list[int]) -> None:
+    assert sorted(done[0] + done[1]) == expected, done
+
+
+def test_two_workers_on_local_disk(job, one_worker, tmp_path):
+    done = run_two_workers(job, str(tmp_path / "out"))
+    assert_each_shard_once(done, list(range(N // 2)))
+    assert done[0] and done[1]
+    assert read_rows(tmp_path / "out") == read_rows(one_worker)
+
+
+def test_a_rerun_of_a_few_shards_is_split_between_workers(job, one_worker, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(one_worker, out)
+    for i in (0, 2, 4):  # all three belong to worker 0 by the modulo split
+        (out / "state" / f"shard-{i:05d}.json").unlink()
+    done = run_two_workers(job, str(out))
+    assert_each_shard_once(done, [0, 2, 4])
+    assert done[0] and done[1], f"one worker did all of {done}"
+    assert read_rows(out) == read_rows(one_worker)
+
+
+def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
+    url = "s3://meshgen-test/run1"
+    done = run_two_workers(job, url, s3)
+    assert_each_shard_once(done, list(range(N // 2)))
+    assert read_rows(url) == read_rows(one_worker)
+    assert_same_layout(Store(url), one_worker)
+    status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", url, "--json"], text=True))
+    assert status["done"] == N // 2
+    # A failure, then the same command resumes it, all on the object store.
+    url2 = "s3://meshgen-test/run2"
+    res = launch(*job, f"output.dir={url2}", "testing.fail_shards=[3]", env=s3)
+    assert res.returncode == 3, res.stderr[-2000:]
+    status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", url2, "--json"], text=True))
+    assert status["shards"]["3"] == "failed" and status["done"] == N // 2 - 1
+    res = launch(*job, f"output.dir={url2}", env=s3)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert re.findall(r"shard (\d+): generating", res.stderr) == ["3"]
+    assert read_rows(url2) == read_rows(one_worker)
+    res = launch(*job, f"output.dir={url}", "generate.seed=9", env=s3)
+    assert res.returncode == 2 and "generate.seed: 0 -> 9" in res.stderr.strip().splitlines()[-1]
+
+
+def test_unreachable_bucket_is_a_clear_error(job, s3, tmp_path):
+    res = launch(*job, "output.dir=s3://no-such-bucket/x", env=s3)
+    assert res.returncode == 2 and "cannot be reached" in res.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in res.stderr
