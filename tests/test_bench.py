@@ -1,0 +1,92 @@
+"""The benchmark scripts run end to end at tiny sizes and report every number. Nothing here judges a timing:
+the targets are checked by running tools/bench.py at the issue's sizes, not by tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def tools(monkeypatch):
+    """Import the tools' modules the way `python tools/bench.py` finds them (the script's folder on the path)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+
+
+def _positive_numbers(node, path=""):
+    """Every number under `node` (JSON), with its path, for checking that all are positive."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _positive_numbers(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _positive_numbers(v, f"{path}[{i}]")
+    elif isinstance(node, int | float) and not isinstance(node, bool):
+        yield path, node
+
+
+def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, capsys):
+    import bench
+
+    out = tmp_path / "bench.json"
+    tiny = ["--images", "4", "--shard-size", "2", "--repeats", "1", "--height", "32", "--width", "32"]
+    tiny += ["--steps", "2", "--mem-heads", "2", "--mem-layers", "1", "--mem-single-layers", "1"]
+    tiny += ["--writer-size", "64", "--writer-images", "2", "--writer-processes", "1,2", "--writer-repeats", "1"]
+    tiny += ["--writer-encoders", "imagecodecs", "--writer-levels", "1"]
+    assert bench.main(["--out", str(out), "--model", str(tiny_model), "--workdir", str(tmp_path), *tiny]) == 0
+    result = json.loads(out.read_text())
+
+    runner = result["runner"]["summary"]
+    for key in ("runner_s_per_image", "bare_s_per_image", "ratio", "nowrite_s_per_image", "writes_ratio"):
+        assert runner[key]["min"] > 0, key
+        assert runner[key]["min"] <= runner[key]["median"] <= runner[key]["max"], key
+    assert runner["same_images"] is True  # the runner and the bare loop did the same work
+    assert 0 <= runner["writer_wait_share"]["median"] < 1
+    assert runner["runner_first_image_s"]["median"] > 0 and runner["bare_first_image_s"]["median"] > 0
+    assert len(result["runner"]["repeats"][0]["shards_s_per_image"]["runner"]) == 2  # 4 images in shards of 2
+
+    memory = result["memory"]
+    assert set(memory["ranks"]) == {"tp1", "tp2"} and all(len(r) == 2 for r in memory["ranks"].values())
+    tp1, tp2 = (memory["ranks"][k][0]["local"]["transformer"]["bytes"] for k in ("tp1", "tp2"))
+    assert tp2 < tp1  # tp=2 holds a shard, whatever the timing
+    assert memory["ratio_tp2_over_tp1"]["transformer_local_bytes"] < 1
+
+    rows = result["writer"]["rows"]
+    assert [(r["encoder"], r["level"], r["processes"]) for r in rows] == [("imagecodecs", 1, 1), ("imagecodecs", 1, 2)]
+    for path, value in _positive_numbers({"writer": rows, "runner": runner}):
+        assert value >= 0, path
+    assert all(r["images_per_s"] > 0 for r in rows)
+
+    printed = capsys.readouterr().out
+    assert "ratio runner / bare" in printed and "ratio tp2/tp1" in printed and "imagecodecs level 1" in printed
+
+
+def test_photo_like_images_are_not_flat(tools):
+    from bench_writer import photo_like
+
+    img = photo_like(128, seed=1)
+    assert img.shape == (128, 128, 3) and img.dtype == np.uint8
+    # Flat images compress ten times faster than photographs: the benchmark's must have texture everywhere.
+    assert np.abs(np.diff(img.astype(int), axis=1)).mean() > 2
+    assert len(np.unique(img.reshape(-1, 3), axis=0)) > 1000
+
+
+def test_flux1_step_flops_match_the_issue(tools):
+    from gpu_bench import FLUX1_DEV, step_flops
+
+    assert step_flops(FLUX1_DEV, 4096, 512) / 1e12 == pytest.approx(74.4, abs=0.1)
+
+
+def test_gpu_bench_dry_run_writes_json(tmp_path, tools):
+    import gpu_bench
+
+    out = tmp_path / "mfu.json"
+    assert gpu_bench.main(["--dry-run", "--modes", "eager", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["modes"]["eager"]["step_s"] > 0 and result["modes"]["eager"]["finite"]
+    assert result["params"] > 0 and result["tflop_per_step"] > 0
