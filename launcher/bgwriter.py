@@ -84,9 +84,10 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         job.samples.sort(key=lambda s: job.order[s["id"]])
         encode = [(s.pop("pixels"), self.cfg.png_encoder, self.cfg.png_level) for s in job.samples]
-        chunk = max(1, len(encode) // (4 * (self._pool._max_workers or 1)))
-        for s, png in zip(job.samples, self._pool.map(_encode, encode, chunksize=chunk), strict=True):
-            s["png"] = png
+        if self.cfg.png or self.cfg.parquet or self.cfg.webdataset:  # none: state files only (a benchmark's control)
+            chunk = max(1, len(encode) // (4 * (self._pool._max_workers or 1)))
+            for s, png in zip(job.samples, self._pool.map(_encode, encode, chunksize=chunk), strict=True):
+                s["png"] = png
         write_shard(self.store, job.name, job.samples, self.cfg)
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
