@@ -26,6 +26,7 @@ class Progress:
 
     def __init__(self, store: Store, total: int, run_id: str):
         self.store, self.run_id = store, run_id
+        self._seen: dict[str, tuple] = {}  # state file name -> ((name, mtime), state)
         self._stop = threading.Event()
         interactive = sys.stderr.isatty()
         self._bar = tqdm(
@@ -54,7 +55,12 @@ class Progress:
             self._update()
 
     def _update(self) -> None:
-        mine = [st for st in ledger.read_states(self.store).values() if st.get("run_id") == self.run_id]
+        # One listing per poll; a state file is read again only when it changed (a shard may be redone).
+        for info in self.store.files(ledger.STATE_DIR, ".json"):
+            key = (info.base_name, info.mtime_ns)
+            if self._seen.get(info.base_name, (None,))[0] != key:
+                self._seen[info.base_name] = (key, self.store.read_json(f"{ledger.STATE_DIR}/{info.base_name}") or {})
+        mine = [st for _, st in self._seen.values() if st.get("run_id") == self.run_id]
         done = sum(st["rows"] for st in mine if st["status"] == "done")
         self._bar.set_postfix(failed_shards=sum(st["status"] == "failed" for st in mine), refresh=False)
         self._bar.update(done - self._bar.n)

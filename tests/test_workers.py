@@ -99,6 +99,11 @@ def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
     assert_each_shard_once(done, list(range(N // 2)))
     assert read_rows(url) == read_rows(one_worker)
     assert_same_layout(Store(url), one_worker)
+    for tool in ("report.py", "contact_sheet.py"):  # the inspection tools read and write the bucket too
+        subprocess.run([sys.executable, f"tools/{tool}", url], check=True, capture_output=True)
+    assert Store(url).read_bytes("report.html").startswith(b"<!doctype html>")
+    assert Store(url).read_bytes("contact_sheet.png").startswith(b"\x89PNG")
+    assert b"dtype: image" in Store(url).read_bytes("README.md")
     status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", url, "--json"], text=True))
     assert status["done"] == N // 2
     # A failure, then the same command resumes it, all on the object store.
