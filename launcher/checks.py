@@ -6,7 +6,6 @@ then costs seconds, not a model load on every chip.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +17,8 @@ MODES = ("eager", "defer_and_fuse", "compile")
 
 
 def preflight(cfg) -> None:
+    from launcher.model_checks import check_model
+
     check_settings(cfg)
     check_mesh(cfg)
     check_model(cfg)
@@ -88,117 +89,6 @@ def local_chip_count(device: str) -> int | None:
     return None
 
 
-def model_dir(path: str) -> Path:
-    """The pipeline's folder: `path` itself, or its snapshot in the Hugging Face cache (never the network)."""
-    p = Path(path)
-    if p.is_dir():
-        return p
-    if not _looks_like_hub_id(path):
-        raise ConfigError(f"model.path {path} does not exist; point it at a diffusers pipeline folder or a hub id")
-    from huggingface_hub import snapshot_download
-
-    try:  # local cache only: a preflight must never wait on the network
-        return Path(snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.txt"]))
-    except Exception:
-        raise ConfigError(
-            f"model.path {path} is neither a local folder nor in the Hugging Face cache; download "
-            f"it first (hf download {path}) or set model.path to a local folder"
-        ) from None
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    # "org/name" or "name": a relative path with more parts, or one that starts like a path, is a path.
-    return path.count("/") <= 1 and not path.startswith(("/", ".", "~")) and not path.endswith("/")
-
-
-def check_model(cfg) -> None:
-    if cfg.model.build and not Path(cfg.model.path).exists():
-        return  # built on first use (the tiny test model); its config is known to be sound
-    root = model_dir(cfg.model.path)
-    if not (root / "model_index.json").is_file():
-        raise ConfigError(
-            f"model.path {cfg.model.path} is not a diffusers pipeline (no model_index.json in {root}); "
-            "point it at the pipeline's top folder"
-        )
-    _check_components(cfg.model.path, root)
-    if not Path(cfg.model.path).is_dir():
-        # The whole pipeline is in the cache (just checked), so workers need no network: without this, each
-        # rank asks the hub for updates, and hangs until a timeout where the hub cannot be reached.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if cfg.mesh.tp > 1:
-        te_keys = ("num_attention_heads", "num_key_value_heads")
-        for part, keys, sharded in (
-            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer),
-            ("text_encoder", te_keys, cfg.model.shard_text_encoder),
-        ):
-            _check_heads(root / part / "config.json", cfg.mesh.tp, part.replace("_", " "), keys, sharded)
-    vae = _read(root / "vae" / "config.json")
-    tr = _read(root / "transformer" / "config.json")
-    if vae and "block_out_channels" in vae:
-        # Latents are patchified 2x2, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing).
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * max(int(tr.get("patch_size") or 1), 2)
-        for key in ("height", "width"):
-            v = cfg.generate[key]
-            if v % multiple:
-                raise ConfigError(
-                    f"generate.{key}={v} is not a multiple of {multiple} (VAE scale factor x "
-                    f"patch size for this model); use e.g. {max(multiple, v // multiple * multiple)}"
-                )
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
-
-
-def _check_components(path: str, root: Path) -> None:
-    """Every component in model_index.json has its folder, and every model among them its weight files.
-
-    File names only, no weights read: a half-finished download otherwise fails after minutes of loading.
-    """
-    for name, spec in _read(root / "model_index.json").items():
-        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and spec[0]):
-            continue  # metadata, or an optional component the pipeline leaves out (null)
-        folder = root / name
-        if not folder.is_dir():
-            raise ConfigError(
-                f"model.path {path} is an incomplete pipeline: model_index.json lists {name} but {folder} is "
-                "missing; download the whole pipeline again"
-            )
-        if not (folder / "config.json").is_file():
-            continue  # a tokenizer or scheduler: configs only
-        # Complete if one index has all its shards (a repo may also carry the index of a format not downloaded),
-        # or if there is a weight file no index refers to.
-        maps = [set(_read(i).get("weight_map", {}).values()) for i in folder.glob("*.index*.json")]
-        missing = [sorted(s for s in m if not (folder / s).exists()) for m in maps]
-        standalone = [
-            f
-            for f in folder.iterdir()
-            if f.name.endswith(WEIGHT_SUFFIXES) and f.exists() and not any(f.name in m for m in maps)
-        ]
-        if not standalone and all(missing):
-            what = f"weight files {missing[0][:3]}" if missing else "weight files"
-            raise ConfigError(
-                f"model.path {path} is an incomplete pipeline: {name}/ lacks {what}; download the whole pipeline again"
-            )
-
-
-def _read(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); download the pipeline again or fix that file") from None
-
-
-def _check_heads(path: Path, tp: int, what: str, keys: tuple[str, ...], sharded: bool) -> None:
-    config = _read(path)
-    config = config.get("text_config", config)
-    for key in keys:
-        n = config.get(key)
-        if sharded and n and n % tp:
-            raise ConfigError(f"mesh.tp={tp} does not divide the {what}'s {key}={n}; use a tp that divides {n}")
-
-
 def check_output(cfg) -> None:
     out = Path(cfg.output.dir)
     if "://" in str(cfg.output.dir):
@@ -243,29 +133,3 @@ def check_object_store(url: str) -> None:
             f"output.dir={url} cannot be reached ({problem}); check the bucket name and the credentials "
             "(the AWS_* variables, or gcloud application default credentials)"
         )
-
-
-def count_truncated(cfg, rows: list[dict]) -> int:
-    """How many prompts are longer than generate.max_sequence_length tokens, so the text encoder sees them cut.
-
-    Not an error (the pipeline truncates them), but worth a line in the run summary. Loads the tokenizer only.
-    The prompts are tokenized as the pipeline does: FLUX.2 wraps each one in its chat template with a system
-    message, which counts towards the limit; other pipelines apply max_sequence_length to their last tokenizer
-    (FLUX.1's and SD3's T5; their CLIP tokenizers always stop at 77).
-    """
-    from transformers import AutoTokenizer
-
-    root = model_dir(cfg.model.path)
-    name = next((n for n in ("tokenizer_3", "tokenizer_2", "tokenizer") if (root / n).is_dir()), None)
-    if name is None or not rows:
-        return 0
-    tokenizer = AutoTokenizer.from_pretrained(root / name, local_files_only=True)
-    tokenizer.model_max_length = 2**62  # we measure long prompts on purpose: no "longer than the maximum" warning
-    prompts = [r["prompt"] for r in rows]
-    if _read(root / "model_index.json").get("_class_name") == "Flux2Pipeline":
-        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-
-        ids = tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(prompts)["input_ids"]
-    return sum(len(i) > cfg.generate.max_sequence_length for i in ids)

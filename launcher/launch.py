@@ -93,8 +93,8 @@ def run_elastic(args: list[str]) -> int:
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher import ledger
     from launcher.card import write_card
-    from launcher.checks import count_truncated
     from launcher.lock import RunLock
+    from launcher.model_checks import count_truncated
     from launcher.store import Store
     from launcher.workers import resolve_workers
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import launch
 
-from launcher.checks import check_mesh, count_truncated, local_chip_count
+from launcher.checks import check_mesh, local_chip_count
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.model_checks import count_truncated
 
 SECONDS = 20  # generous for a loaded 2-core machine; a model load or a network timeout would take longer
 TIMES: dict[str, float] = {}
@@ -196,7 +197,7 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
 def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from launcher.checks import check_model
+    from launcher.model_checks import check_model
 
     # A hub cache holding the whole tiny pipeline under a made-up id, as `hf download` would leave it.
     repo = tmp_path / "models--nobody--tiny-flux2"
