@@ -17,13 +17,14 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from launcher import ledger
 from launcher.store import Store
-from launcher.writer import encode_png, write_shard
+from launcher.writer import delete_shard_files, encode_png, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -49,34 +50,58 @@ class BackgroundWriter:
         self.failed: list[int] = []
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
-        ctx = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(encode_workers, mp_context=ctx)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(encode_workers, mp_context=self._ctx)
+        self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self._thread.start()
 
     def submit(self, job: ShardJob) -> float:
         """Queue a shard for writing; the seconds spent waiting for room in the queue."""
         t0 = time.perf_counter()
-        self._queue.put(job)
+        while True:  # never wait forever on a writer that died
+            self._check_alive()
+            try:
+                self._queue.put(job, timeout=1.0)
+                break
+            except queue.Full:
+                continue
         waited = time.perf_counter() - t0
         job.state.setdefault("stages", {})["writer_wait"] = round(waited, 4)
         job.queued.set()  # the state is complete: the writer may now record it
         return waited
 
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the shard writer stopped: {self.fatal!r}")
+
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._write(job)
-            except Exception as e:  # a write error fails that shard, never silently
-                job.state.update(
-                    status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
-                )
-            if job.state["status"] != "done":
-                self.failed.append(job.index)
-            job.queued.wait()
-            job.state["finished_at"] = time.time()
-            self.store.write_json(ledger.state_rel(job.index), job.state)
-            self.on_recorded(job.index)
+        try:
+            while (job := self._queue.get()) is not None:
+                self._record(job)
+        except BaseException as e:  # the state of a shard could not be written: stop, loudly
+            self.fatal = e
+            logger.exception("the shard writer failed")
+
+    def _record(self, job: ShardJob) -> None:
+        # A shard being regenerated stops being done before its files change: a crash in between leaves it
+        # pending, never "done" with a mix of old and new files.
+        _retry(lambda: self.store.delete(ledger.state_rel(job.index)))
+        try:
+            self._write(job)
+        except Exception as e:  # a write error fails that shard, never silently
+            job.state.update(
+                status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
+            )
+            if isinstance(e, BrokenProcessPool):  # an encoder died (out of memory?): start new ones
+                self._pool = ProcessPoolExecutor(self._pool._max_workers, mp_context=self._ctx)
+        if job.state["status"] != "done":
+            self.failed.append(job.index)
+            _retry(lambda: delete_shard_files(self.store, job.name))  # no data of a failed shard stays readable
+        job.queued.wait()
+        job.state["finished_at"] = time.time()
+        _retry(lambda: self.store.write_json(ledger.state_rel(job.index), job.state))
+        _retry(lambda: self.on_recorded(job.index))
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
@@ -93,9 +118,31 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Write everything queued, then stop."""
-        self._queue.put(None)
+        while self._thread.is_alive():
+            try:
+                self._queue.put(None, timeout=1.0)
+                break
+            except queue.Full:
+                continue
         self._thread.join()
         self._pool.shutdown()
+        self._check_alive_or_done()
+
+    def _check_alive_or_done(self) -> None:
+        if self.fatal is not None:
+            raise RuntimeError(f"the shard writer stopped: {self.fatal!r}")
+
+
+def _retry(action: Callable[[], object], attempts: int = 4) -> None:
+    """Object stores fail transiently now and then: try again, 1 s, 2 s, 4 s later."""
+    for n in range(attempts):
+        try:
+            action()
+            return
+        except Exception:
+            if n == attempts - 1:
+                raise
+            time.sleep(2**n)
 
 
 def _encode(item: tuple[np.ndarray, str, int]) -> bytes:

@@ -10,8 +10,8 @@ more than the newest claim there:
 - its run is dead (killed, preempted): create the next generation; of two workers taking over at once only one
   creation succeeds, so no claim is ever deleted to be replaced.
 Having won a claim, the worker reads the shard's state again: finished since this run started means another
-worker got there first. After writing the shard's state, its owner deletes the shard's claims.
-A worker's run is alive while it holds its lock: see launcher/lock.py.
+worker got there first. After writing the shard's state, its owner deletes its claim and the dead generations
+below it. A worker's run is alive while it holds its lock: see launcher/lock.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from launcher.store import Store
 class Claims:
     def __init__(self, store: Store, worker_index: int, run_id: str, started: float):
         self.store, self.worker, self.run_id, self.started = store, worker_index, run_id, started
+        self.held: dict[int, int] = {}  # shard -> the generation of our claim on it
+        self.skipped: set[int] = set()  # shards another live run held when we tried them
 
     def _dir(self, shard_index: int) -> str:
         return f"{CLAIMS_DIR}/shard-{shard_index:05d}"
@@ -38,13 +40,20 @@ class Claims:
     def try_claim(self, shard_index: int) -> bool:
         gens = self._generations(shard_index)
         if gens:
-            newest = self.store.read_json(f"{self._dir(shard_index)}/g{gens[-1]:05d}.json") or {}
+            try:
+                newest = self.store.read_json(f"{self._dir(shard_index)}/g{gens[-1]:05d}.json") or {}
+            except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
+                newest = {}
             if run_alive(self.store, newest.get("worker", -1), newest.get("run_id", "")):
+                self.skipped.add(shard_index)
                 return False
         record = {"worker": self.worker, "run_id": self.run_id, "host": socket.gethostname(), "time": time.time()}
         nxt = gens[-1] + 1 if gens else 0
         if not self.store.create_exclusive(f"{self._dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode()):
+            self.skipped.add(shard_index)
             return False
+        self.held[shard_index] = nxt
+        self.skipped.discard(shard_index)
         state = read_state(self.store, shard_index)
         if state and state.get("finished_at", 0) >= self.started:
             self.release(shard_index)
@@ -52,5 +61,15 @@ class Claims:
         return True
 
     def release(self, shard_index: int) -> None:
-        # Safe to remove whole: the state is written, so a claim created meanwhile is given up at its state check.
-        self.store.delete_dir(self._dir(shard_index))
+        """Give up our claim (after the shard's state is written), and the dead generations below it."""
+        gen = self.held.pop(shard_index, None)
+        if gen is None:
+            return
+        for g in self._generations(shard_index):
+            if g <= gen:
+                self.store.delete(f"{self._dir(shard_index)}/g{g:05d}.json")
+        if self.store.is_local:
+            try:
+                self.store.local(self._dir(shard_index)).rmdir()  # only if empty
+            except OSError:
+                pass

@@ -20,6 +20,11 @@ _INT_COLUMNS = ("seed", "height", "width", "num_inference_steps")
 FORMATS = (".txt", ".jsonl", ".csv", ".parquet")
 
 
+def check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise ConfigError(f"dataset.limit={limit} selects no prompts; use 1 or more, or null for all rows")
+
+
 def read_prompts(
     path: str, prompt_column: str = "prompt", id_column: str | None = None, limit: int | None = None
 ) -> list[dict]:
@@ -27,8 +32,7 @@ def read_prompts(
 
     Ids default to the row number across all files in order, so appending rows never renumbers earlier ones.
     """
-    if limit is not None and limit < 1:
-        raise ConfigError(f"dataset.limit={limit} selects no prompts; use 1 or more, or null for all rows")
+    check_limit(limit)
     rows: list[tuple[str, dict]] = []  # (where it came from, for error messages; the row)
     for f in _files(path):
         rows.extend(_read_file(f, prompt_column, id_column))
@@ -59,7 +63,22 @@ def read_prompts(
         row = {"id": rid, "prompt": prompt}
         row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
         out.append(row)
+    _check_file_names(out, path)
     return out[:limit] if limit is not None else out
+
+
+def _check_file_names(rows: list[dict], path: str) -> None:
+    """Two ids that differ only in characters a file name cannot hold would overwrite each other's PNG."""
+    from launcher.shards import file_stem
+
+    seen: dict[str, str] = {}
+    for r in rows:
+        other = seen.setdefault(file_stem(r["id"]), r["id"])
+        if other != r["id"]:
+            raise ConfigError(
+                f"dataset {path}: ids {other!r} and {r['id']!r} both become the file name {file_stem(r['id'])}.png; "
+                "make them differ in letters, digits, '-' or '_'"
+            )
 
 
 def _files(path: str) -> list[Path]:

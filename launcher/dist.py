@@ -128,7 +128,9 @@ def build_groups(mesh) -> Groups:
     layout = mesh.mesh.tolist()  # [dp][tp] global ranks
     tp_control = None
     for ranks in layout:  # every rank must take part in creating every group
-        g = dist.new_group(ranks, backend="gloo")
+        # Unsorted: group rank 0 must be the tp group's first rank, the one that claims and writes its shards
+        # (a topology-aware TPU layout need not list ranks in increasing order).
+        g = dist.new_group(ranks, backend="gloo", sort_ranks=False)
         if dist.get_rank() in ranks:
             tp_control = g
     world_control = dist.new_group(backend="gloo")

@@ -55,8 +55,8 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
     else:  # every host runs this same command; NODE_RANK and MASTER_ADDR come from the scheduler or TorchTPU
         rdzv = [
             f"--nnodes={cfg.mesh.nodes}",
-            f"--node-rank={os.environ.get('NODE_RANK', '0')}",
-            f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+            f"--node-rank={os.environ.get('NODE_RANK', '$NODE_RANK')}",
+            f"--master-addr={os.environ.get('MASTER_ADDR', '$MASTER_ADDR')}",
             f"--master-port={os.environ.get('MASTER_PORT', '29500')}",
         ]
     args = [
@@ -93,11 +93,16 @@ def run_elastic(args: list[str]) -> int:
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher import ledger
     from launcher.card import write_card
-    from launcher.lock import RunLock
+    from launcher.lock import RunLock, other_live_runs
     from launcher.model_checks import count_truncated
     from launcher.store import Store
     from launcher.workers import resolve_workers
 
+    if cfg.mesh.nodes > 1 and os.environ.get("NODE_RANK", "0") != "0":
+        # One job over several hosts: the first host's launcher keeps the books (lock, run.json, summary);
+        # the others only run their workers.
+        os.environ.update(plan_.env)
+        return run_elastic(plan_.torchrun_args)
     store = Store(cfg.output.dir)
     if not cfg.run.overwrite:
         ledger.check_run_json(store, cfg)
@@ -107,10 +112,21 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
     with RunLock(store, index, run_id):
         if cfg.run.overwrite:
+            others = other_live_runs(store, index)
+            if others:
+                raise LockHeld(
+                    f"run.overwrite would discard the work of live worker {others[0]['worker']} "
+                    f"(host {others[0]['host']}, pid {others[0]['pid']}); wait for it or stop it first"
+                )
             ledger.discard_outputs(store)
             shards, selected = ledger.plan(cfg)
         ledger.check_run_json(store, cfg)
-        ledger.write_run_json(store, cfg, shards)
+        rerun = [
+            "./launch.sh",
+            f"conf={conf}",
+            *(o for o in overrides if not o.startswith(("run.shards=", "run.overwrite="))),
+        ]
+        ledger.write_run_json(store, cfg, shards, rerun)
         ledger.clean_tmp(store)
         stale = [i for i, st in ledger.statuses(store, shards).items() if st == "stale"]
         if stale and cfg.run.stale == "keep":
@@ -120,13 +136,10 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             samples = sum(len(shards[i].rows) for i in selected)
             logger.info("generating %d shards (%d samples) into %s", len(selected), samples, store)
             os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
-            if plan_.tpu_launch_env:
-                set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
             with Progress(store, samples, run_id):
                 code = run_elastic(plan_.torchrun_args)
         else:
             logger.info("nothing to do: every selected shard of %s is done", store)
-        rerun = ["./launch.sh", f"conf={conf}", *(o for o in overrides if not o.startswith("run.shards="))]
         truncated = count_truncated(cfg, [r for i in selected for r in shards[i].rows])
         lines, record = summarize(store, shards, run_id, start, code, rerun, truncated)
         if code == EXIT_OK and record["failed_now"]:
@@ -173,13 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         conf, overrides = split_args(argv)
         cfg = load_config(conf, overrides)
         device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
-        plan_ = launch_plan(cfg, conf, overrides, device)
         if dry_run:
+            plan_ = launch_plan(cfg, conf, overrides, device)
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
         preflight(cfg)
         ensure_model(cfg)
-        return supervise(cfg, conf, overrides, plan_)
+        if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
+            set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
+        return supervise(cfg, conf, overrides, launch_plan(cfg, conf, overrides, device))
     except (ConfigError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

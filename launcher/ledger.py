@@ -65,7 +65,7 @@ def check_run_json(store: Store, cfg) -> None:
     )
 
 
-def write_run_json(store: Store, cfg, shards: list[Shard]) -> None:
+def write_run_json(store: Store, cfg, shards: list[Shard], command: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
     old = store.read_json("run.json") or {}
@@ -79,6 +79,7 @@ def write_run_json(store: Store, cfg, shards: list[Shard]) -> None:
         "shard_fingerprints": shard_fps,
         "versions": versions(),
         "created": old.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+        "command": command or old.get("command"),  # how to run this job again (tools/status.py prints it)
     }
     if new != old:  # a rerun with nothing new leaves the folder byte-identical
         store.write_json("run.json", new)
@@ -92,13 +93,16 @@ def discard_outputs(store: Store) -> None:
         store.delete(name)
 
 
-def shard_status(state: dict | None, shard: Shard) -> str:
-    """done | failed | pending | stale (done, but its prompts changed) | grown (done, and rows were appended)."""
+def shard_status(state: dict | None, shard: Shard, whole: Shard | None = None) -> str:
+    """done | failed | pending | stale (done, but its prompts changed) | grown (done, and rows were appended).
+
+    `whole` is the shard before `dataset.limit` cut it: a shard done in full is done under any limit.
+    """
     if state is None:
         return "pending"
     if state.get("status") != "done":
         return "failed"
-    if state.get("prompts_fingerprint") in (None, shard.fingerprint):
+    if state.get("prompts_fingerprint") in (None, shard.fingerprint, whole and whole.fingerprint):
         return "done"
     n = state.get("rows", 0)
     if n < len(shard.rows) and prompts_fingerprint(shard.rows[:n]) == state["prompts_fingerprint"]:
@@ -106,9 +110,9 @@ def shard_status(state: dict | None, shard: Shard) -> str:
     return "stale"
 
 
-def statuses(store: Store, shards: list[Shard]) -> dict[int, str]:
+def statuses(store: Store, shards: list[Shard], whole: list[Shard] | None = None) -> dict[int, str]:
     states = read_states(store)
-    return {s.index: shard_status(states.get(s.index), s) for s in shards}
+    return {s.index: shard_status(states.get(s.index), s, whole[s.index] if whole else None) for s in shards}
 
 
 def select_shards(status: dict[int, str], spec, stale: str = "error") -> list[int]:
@@ -151,10 +155,13 @@ def clean_tmp(store: Store, shard_index: int | None = None) -> None:
 
 def plan(cfg) -> tuple[list[Shard], list[int]]:
     """All shards of the prompt source, and the indices to generate now (by any worker of the job)."""
-    from launcher.dataset import read_prompts
+    from launcher.dataset import check_limit, read_prompts
     from launcher.shards import cut_shards, parse_selection
 
-    rows = read_prompts(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column, cfg.dataset.limit)
-    shards = cut_shards(rows, cfg.run.shard_size)
+    limit = cfg.dataset.limit
+    check_limit(limit)
+    rows = read_prompts(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column)
+    shards = cut_shards(rows[:limit], cfg.run.shard_size)
+    whole = cut_shards(rows, cfg.run.shard_size) if limit is not None else None
     selection = parse_selection(cfg.run.shards, len(shards))
-    return shards, select_shards(statuses(Store(cfg.output.dir), shards), selection, cfg.run.stale)
+    return shards, select_shards(statuses(Store(cfg.output.dir), shards, whole), selection, cfg.run.stale)

@@ -2,7 +2,8 @@
 
 The lock's record names its holder: host, pid, run id, start time and a heartbeat that its holder refreshes.
 - On disk the record lives in a file the launcher holds with flock: the kernel drops the lock the moment its
-  holder dies, however it dies (kill -9 included), so a stale lock cannot block a later run.
+  holder dies, however it dies (kill -9 included), so a stale lock cannot block a later run; whether a run is
+  alive is asked of the kernel too (can the lock be taken?), never guessed from a pid.
 - On an object store there is no flock: the lock is an object created with a conditional PUT; a holder whose
   heartbeat is older than STALE_S is presumed dead and its lock is taken over (write, wait, read back: of two
   launchers taking over at once, the one whose record is read back wins, the other exits 4).
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -21,6 +24,7 @@ import time
 from launcher.errors import LockHeld
 from launcher.store import Store
 
+logger = logging.getLogger(__name__)
 HEARTBEAT_S = 10
 STALE_S = 60
 
@@ -52,9 +56,36 @@ def run_alive(store: Store, worker_index: int, run_id: str) -> bool:
     rec = read_lock(store, worker_index)
     if not rec or rec.get("run_id") != run_id:
         return False
-    if rec.get("host") == socket.gethostname():
-        return pid_alive(rec["pid"])
+    if store.is_local:  # the kernel knows: the flock is held exactly while its holder lives
+        return _flock_held(store.local(lock_rel(worker_index, store)))
     return time.time() - rec.get("heartbeat", 0) < STALE_S
+
+
+def _flock_held(path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own shared lock, if it got one
+    return False
+
+
+def other_live_runs(store: Store, worker_index: int) -> list[dict]:
+    """Lock records of the live runs of other worker indexes on this output folder."""
+    live = []
+    for info in store.files("locks"):
+        name = info.base_name
+        if not name.startswith("worker-") or int(name[7:12]) == worker_index:
+            continue
+        rec = read_lock(store, int(name[7:12]))
+        if rec and run_alive(store, int(name[7:12]), rec.get("run_id", "")):
+            live.append({**rec, "worker": int(name[7:12])})
+    return live
 
 
 class RunLock:
@@ -84,11 +115,15 @@ class RunLock:
             path = self.store.local(self.rel)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise self._refused(read_lock(self.store, self.index)) from None
+            for attempt in range(5):  # a liveness probe (_flock_held) holds it for an instant: try a few times
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt == 4:
+                        os.close(fd)
+                        raise self._refused(read_lock(self.store, self.index)) from None
+                    time.sleep(0.1)
             self._fd = fd
             self._write()
         elif not self.store.create_exclusive(self.rel, self._payload()):
@@ -104,14 +139,25 @@ class RunLock:
     def _write(self) -> None:
         if self._fd is not None:
             data = self._payload()
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, data, 0)
+            os.pwrite(self._fd, data, 0)  # then cut the rest: a reader never sees an empty record
+            os.ftruncate(self._fd, len(data))
         else:
             self.store.write_bytes(self.rel, self._payload())
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self._write()
+            try:
+                if (
+                    not self.store.is_local
+                    and (read_lock(self.store, self.index) or {}).get("run_id") != self.record["run_id"]
+                ):
+                    # Another launcher took the lock over (we looked dead to it): stop rather than run twice.
+                    logger.error("lost the lock %s to another run; stopping", self.rel)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                self._write()
+            except Exception:  # a transient store error: try again at the next beat
+                logger.warning("could not refresh the lock %s", self.rel, exc_info=True)
 
     def release(self) -> None:
         self._stop.set()

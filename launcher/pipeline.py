@@ -106,7 +106,26 @@ def load_pipeline(cfg, device: torch.device, mesh):
         logger.info("text encoder sharded over tp=%d", tp)
     pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
     place(pipe, cfg, device)
+    if parts:
+        release_freed_heap()
     return pipe
+
+
+def release_freed_heap() -> None:
+    """Give the heap that sharded loading freed back to the system.
+
+    Each rank reads whole tensors and keeps its slices; glibc keeps the freed rest in the process. Measured by
+    tools/bench.py on a 520 MB transformer at tp=2: 70-100 MB per rank, so the weights' private memory was
+    0.73-0.78x of tp=1's instead of 0.59x. Elsewhere than glibc there is nothing to do.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def place(pipe, cfg, device: torch.device) -> None:

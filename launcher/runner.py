@@ -47,6 +47,7 @@ class Worker:
     writer: BackgroundWriter | None  # only on each tp group's first rank
     store: Store | None = None
     run_id: str = ""
+    rescanned: bool = False
     compile_stats: CompileStats = field(default_factory=CompileStats)
     warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
 
@@ -57,9 +58,14 @@ def run_worker(cfg) -> int:
     mesh = ParallelDims(cfg.mesh.dp, cfg.mesh.tp, dist.get_world_size()).build_mesh(device_type)
     groups = build_groups(mesh)
     # One rank reads what to run and tells the others, so that every rank works from the same selection.
-    box = [ledger.plan(cfg) if dist.get_rank() == 0 else None]
+    # Rank 0 is on the host whose launcher holds the lock: its run id and start time are the whole job's.
+    if dist.get_rank() == 0:
+        run_id = os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"
+        box = [(*ledger.plan(cfg), run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))]
+    else:
+        box = [None]
     dist.broadcast_object_list(box, src=0, group=groups.world_control)
-    shards, selected = box[0]
+    shards, selected, run_id, run_start = box[0]
     index, count = resolve_workers(cfg)
     slot, slots = index * cfg.mesh.dp + groups.dp_rank, count * cfg.mesh.dp
     order = preference(selected, slot, slots)
@@ -71,12 +77,15 @@ def run_worker(cfg) -> int:
         selected[slot::slots],
     )
     store = Store(cfg.output.dir)
-    run_id = os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"
-    claims = Claims(store, index, run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))
+    claims = Claims(store, index, run_id, run_start)
     # Claim a first shard before the (long) model load, so workers starting together split the work at once.
     w = Worker(cfg, None, groups, None, None, store, run_id)
     first = _next_shard(w, claims, order)
-    if first is None:  # other workers hold every shard: no need to load the model
+    # Loading is collective across the whole world (transformers builds its mesh over every rank), so the
+    # ranks skip it only all together, when no dp group got a shard.
+    anyone = [None] * dist.get_world_size()
+    dist.all_gather_object(anyone, first is not None, group=groups.world_control)
+    if not any(anyone):  # other workers hold every shard
         dist.destroy_process_group()
         return EXIT_OK
     w.pipe = pipe = load_pipeline(cfg, device, mesh)
@@ -107,7 +116,13 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
     """The next shard this dp group generates: claimed by its first rank, told to the others."""
     box = [None]
     if w.groups.is_writer:
-        while order and box[0] is None:
+        while box[0] is None:
+            if not order:  # once: shards that a live run held when we tried them, in case it died since
+                if w.rescanned or not claims.skipped:
+                    break
+                w.rescanned = True
+                order.extend(sorted(claims.skipped))
+                claims.skipped.clear()
             i = order.pop(0)
             if claims.try_claim(i):
                 box[0] = i

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 # Settings that determine the images. Everything else (mesh, batch size, workers, execution mode,
@@ -31,6 +32,11 @@ class Shard:
     @property
     def fingerprint(self) -> str:
         return prompts_fingerprint(self.rows)
+
+
+def file_stem(sample_id: str) -> str:
+    """A sample's file name stem: its id, with anything unsafe in a path or a WebDataset key replaced."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", sample_id)
 
 
 def cut_shards(rows: list[dict], shard_size: int) -> list[Shard]:
@@ -82,7 +88,8 @@ def preference(selected: list[int], slot: int, slots: int) -> list[int]:
     which it generates only when their own slot has not claimed them (launcher/claims.py).
     """
     own = selected[slot::slots]
-    return own + [i for i in selected if i not in set(own)]
+    mine = set(own)
+    return own + [i for i in selected if i not in mine]
 
 
 def parse_selection(spec, n_shards: int) -> str | list[int]:

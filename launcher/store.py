@@ -111,7 +111,9 @@ class Store:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name, data in files.items():
-            (tmp / name).write_bytes(data)
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())  # a power loss must not leave a "done" shard with empty images
         shutil.rmtree(final, ignore_errors=True)  # an earlier attempt that was never marked done
         os.replace(tmp, final)
 
@@ -130,14 +132,21 @@ class Store:
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` with `data` if it does not exist; False if it does. Atomic on every backend."""
         if self.is_local:
+            # A complete, synced temporary file linked to the final name: link fails if the name exists, and
+            # a reader never sees the file half-written (O_EXCL then write would show it empty for a moment).
             path = self.local(rel)
             path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.link(tmp, path)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            finally:
+                tmp.unlink(missing_ok=True)
             return True
         bucket, _, key = self.path(rel).partition("/")
         if self.scheme == "s3":

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from launcher.ledger import DATA_DIR, IMAGES_DIR, WDS_DIR
+from launcher.shards import file_stem
 from launcher.store import Store
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema
@@ -58,11 +58,6 @@ def encode_png(pixels, encoder: str = "imagecodecs", level: int = 1) -> bytes:
     return buf.getvalue()
 
 
-def file_stem(sample_id: str) -> str:
-    """A sample's file name stem: its id, with anything unsafe in a path or a WebDataset key replaced."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", sample_id)
-
-
 def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> None:
     """Write a shard's files. `samples` hold the row fields of SCHEMA, with `png` holding the encoded image.
 
@@ -80,6 +75,13 @@ def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) 
         store.write_bytes(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
     if output_cfg.webdataset:
         store.write_bytes(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples))
+
+
+def delete_shard_files(store: Store, shard_name: str) -> None:
+    """Remove a shard's data files (before recording it failed: a loader must not read a failed shard's rows)."""
+    store.delete(f"{DATA_DIR}/{shard_name}.parquet")
+    store.delete(f"{WDS_DIR}/{shard_name}.tar")
+    store.delete_dir(f"{IMAGES_DIR}/{shard_name}")
 
 
 def webdataset_tar(samples: list[dict]) -> bytes:

@@ -27,13 +27,17 @@ def collect(out: str) -> dict:
         if shards[str(i)] == "failed":
             errors[str(i)] = st.get("error", "")
     counts = {k: sum(v == k for v in shards.values()) for k in ("done", "failed", "pending")}
-    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"]}
+    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"], "command": run.get("command")}
 
 
 def rerun_command(out: str, info: dict) -> str:
     failed = [int(i) for i, s in info["shards"].items() if s == "failed"]
     ids = "[" + ",".join(map(str, failed)) + "]"
-    return shlex.join(["./launch.sh", f"conf={info['conf']}", f"output.dir={out}", f"run.shards={ids}"])
+    # The job's own command (from run.json) keeps its overrides: dataset, model, settings.
+    command = info.get("command") or ["./launch.sh", f"conf={info['conf']}"]
+    if not any(a.startswith("output.dir=") for a in command):
+        command = [*command, f"output.dir={out}"]
+    return shlex.join([*command, f"run.shards={ids}"])
 
 
 def main(argv: list[str] | None = None) -> int:
