@@ -1,0 +1,69 @@
+"""The claim protocol and the lock it relies on, on a local store, in one process."""
+
+import json
+
+import pytest
+from conftest import launch
+
+from launcher.claims import Claims
+from launcher.dataset import read_prompts
+from launcher.errors import ConfigError, LockHeld
+from launcher.lock import RunLock, run_alive
+from launcher.store import Store
+
+
+def test_a_live_claim_is_respected_and_a_dead_one_taken_over(tmp_path):
+    store = Store(tmp_path)
+    lock_a = RunLock(store, 0, "run-a")
+    lock_a.acquire()
+    a, b = Claims(store, 0, "run-a", 0.0), Claims(store, 1, "run-b", 0.0)
+    assert a.try_claim(3)
+    assert run_alive(store, 0, "run-a") and not run_alive(store, 0, "run-x")
+    assert not b.try_claim(3) and 3 in b.skipped  # run-a holds its lock: the claim is live
+    lock_a.release()  # run-a dies
+    assert not run_alive(store, 0, "run-a")
+    assert b.try_claim(3)  # the next generation
+    assert sorted(p.name for p in (tmp_path / "claims" / "shard-00003").iterdir()) == ["g00000.json", "g00001.json"]
+    assert json.loads((tmp_path / "claims" / "shard-00003" / "g00001.json").read_text())["run_id"] == "run-b"
+    b.release(3)
+    assert not (tmp_path / "claims" / "shard-00003").exists()
+
+
+def test_a_shard_finished_since_the_run_started_is_given_up(tmp_path):
+    store = Store(tmp_path)
+    store.write_json("state/shard-00002.json", {"status": "done", "finished_at": 200.0})
+    assert not Claims(store, 0, "late", started=100.0).try_claim(2)  # another worker finished it meanwhile
+    assert Claims(store, 0, "next-night", started=300.0).try_claim(2)  # an older result: redo when selected
+    assert not (tmp_path / "claims" / "shard-00002" / "g00001.json").exists()
+
+
+def test_a_second_lock_names_the_holder(tmp_path):
+    store = Store(tmp_path)
+    with RunLock(store, 0, "first"):
+        with pytest.raises(LockHeld, match=r"workers.index=0.*pid \d+"):
+            RunLock(store, 0, "second").acquire()
+        RunLock(store, 1, "other-index").acquire()  # other worker indexes never block each other
+
+
+def test_exclusive_create_never_shows_a_partial_file(tmp_path):
+    store = Store(tmp_path)
+    assert store.create_exclusive("x/y.json", b'{"a": 1}')
+    assert not store.create_exclusive("x/y.json", b'{"a": 2}')
+    assert store.read_json("x/y.json") == {"a": 1}
+    assert [p.name for p in (tmp_path / "x").iterdir()] == ["y.json"]  # no temporary file left
+
+
+def test_ids_that_collide_as_file_names_are_refused(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a", "key": "a/b"}\n{"prompt": "b", "key": "a_b"}\n')
+    with pytest.raises(ConfigError, match=r"'a/b' and 'a_b' both become the file name a_b.png"):
+        read_prompts(str(tmp_path / "p.jsonl"), id_column="key")
+
+
+def test_a_lower_dataset_limit_keeps_done_shards_done(run_job, tiny_model, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(run_job(), out)
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "dataset.limit=12")  # cuts shard 1 in half
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "nothing to do" in res.stderr
