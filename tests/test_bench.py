@@ -59,7 +59,8 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
     rows = result["writer"]["rows"]
     assert [(r["encoder"], r["level"], r["processes"]) for r in rows] == [("imagecodecs", 1, 1), ("imagecodecs", 1, 2)]
     for path, value in _positive_numbers({"writer": rows, "runner": runner}):
-        assert value >= 0, path
+        if "e2e" not in path:  # a difference of two whole-run wall times: noise can make it negative at 4 images
+            assert value >= 0, path
     assert all(r["images_per_s"] > 0 for r in rows)
 
     printed = capsys.readouterr().out

@@ -6,7 +6,7 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
   diffusers loop (`pipe()` per prompt with per-sample generators, nothing written; tools/bench_bare.py), on the
   tiny FLUX.2 model, same prompts, seeds, settings and threads. `s/image` is the marginal time per image after
   warm-up (the first shard's images); `ratio` is runner over bare (target <= 1.05). `writes ratio` compares the
-  runner with writes against the same job with `output.png=false output.parquet=false`; `writer wait share` is
+  runner with writes against the same job with every output off (state files only); `writer wait share` is
   the share of generation time spent waiting for the writer. Time to first image counts from the command's start
   to the first image (the bare loop) or to the first shard's state file (a one-prompt runner job); `runner
   one-image job` is that job's whole wall time, shut-down included. `same images` checks that the runner's PNGs
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--images", type=int, default=96, help="prompts per job")
     g.add_argument("--shard-size", type=int, default=16)
     g.add_argument("--skip-shards", type=int, default=1, help="warm-up shards left out of s/image")
-    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--repeats", type=int, default=5)
     g.add_argument("--height", type=int, default=128)
     g.add_argument("--width", type=int, default=128)
     g.add_argument("--steps", type=int, default=8)

@@ -154,7 +154,9 @@ def rank_main(model: str, tp: int, out: str) -> None:
 
 
 def run_ranks(model: Path, tp: int, out: Path, nproc: int = 2) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No GPU for these ranks: diffusers puts tensor-parallel shards on the default accelerator whatever the mesh's
+    # device, so on a CUDA host the shards would land on the GPU and out of the measured host memory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
     cmd += [__file__, "--model", str(model), "--tp", str(tp), "--out", str(out)]

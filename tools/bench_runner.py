@@ -4,7 +4,7 @@ Every variant runs as its own process, as a user runs it, with the same model, p
 thread count (OMP_NUM_THREADS is set explicitly for all of them on CPU). One repeat runs them back to back, in an
 order that rotates between repeats, so a slow spell on a shared machine hits each variant in turn:
 - `runner`: `./launch.sh` with PNG and Parquet outputs, N prompts, shards of `shard_size`;
-- `runner_nowrite`: the same with `output.png=false output.parquet=false` (state files only);
+- `runner_nowrite`: the same with no output (`output.png/parquet/webdataset=false`: state files only);
 - `runner_first`: the same job with one prompt, for the time to the first image on disk;
 - `bare`: tools/bench_bare.py, `pipe()` per prompt with per-sample generators, nothing written.
 
@@ -69,7 +69,7 @@ def run_runner(overrides: list[str], out: Path, shard_size: int, env: dict, writ
     """Launch the real job; wall time, when shard 0's state file appeared, and every shard's state."""
     args = [*overrides, f"output.dir={out}", f"run.shard_size={shard_size}", "run.overwrite=true"]
     if not writes:
-        args += ["output.png=false", "output.parquet=false"]
+        args += ["output.png=false", "output.parquet=false", "output.webdataset=false"]
     shutil.rmtree(out, ignore_errors=True)  # the previous repeat's state file would read as this run's first
     first_state = out / "state" / "shard-00000.json"
     t0 = time.time()
@@ -196,7 +196,7 @@ def bench_runner(
     n: int = 96,
     shard_size: int = 16,
     skip: int = 1,
-    repeats: int = 3,
+    repeats: int = 5,
     height: int = 128,
     width: int = 128,
     steps: int = 8,
@@ -216,6 +216,18 @@ def bench_runner(
         for i in range(repeats):
             order = list(VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)])
             runs.append({**one_repeat(overrides, work, n, shard_size, skip, env, order), "order": order})
+    # Every post-warm-up shard of every repeat in one pool: steadier than a median of per-repeat ratios when
+    # other processes come and go, since a burst that hits one variant of a repeat counts once, not as a ratio.
+    pooled = {
+        k: statistics.median(x for r in runs for x in r["shards_s_per_image"][k][skip:])
+        for k in ("runner", "nowrite", "bare")
+    }
+    summary = summarize(runs)
+    summary["pooled"] = {
+        **{f"{k}_s_per_image": v for k, v in pooled.items()},
+        "ratio": pooled["runner"] / pooled["bare"],
+        "writes_ratio": pooled["runner"] / pooled["nowrite"],
+    }
     return {
         "settings": {
             **settings,
@@ -226,6 +238,6 @@ def bench_runner(
             "threads": threads if device == "cpu" else None,
             "repeats": repeats,
         },
-        "summary": summarize(runs),
+        "summary": summary,
         "repeats": runs,
     }

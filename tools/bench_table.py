@@ -30,6 +30,8 @@ def runner_lines(r: dict) -> list[tuple[str, str, str, str]]:
         ("bare loop s/image (after warm-up)", *_spread(s["bare_s_per_image"], digits=4), ""),
         ("ratio runner / bare", *_spread(s["ratio"]), _verdict("ratio", s["ratio"]["median"])),
         ("ratio, from means over shards", *_spread(s["ratio_mean"]), "one-off stalls included"),
+        ("ratio, pooled shards of all repeats", f"{s['pooled']['ratio']:.3f}", "",
+         f"writes ratio pooled {s['pooled']['writes_ratio']:.3f}"),
         ("runner without writes s/image", *_spread(s["nowrite_s_per_image"], digits=4), ""),
         ("writes ratio (with / without)", *_spread(s["writes_ratio"]), ""),
         ("writer wait share of generation", *_spread(s["writer_wait_share"], 100, 2), "percent"),
