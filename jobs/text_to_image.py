@@ -7,6 +7,7 @@ depend on which batch, rank or device produced it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -49,10 +50,15 @@ def make_batches(rows, gen) -> list[Batch]:
     return out
 
 
+@functools.cache
+def _accepted(pipeline_class) -> frozenset[str]:
+    return frozenset(inspect.signature(pipeline_class.__call__).parameters)
+
+
 def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     """Keyword arguments of one pipeline call, keeping only those the pipeline accepts."""
     height, width, steps, guidance = batch.shape
-    accepted = inspect.signature(pipe.__call__).parameters
+    accepted = _accepted(type(pipe))
     kwargs = {
         "prompt": [r["prompt"] for r in batch.rows],
         "height": height,

@@ -52,6 +52,9 @@ class BackgroundWriter:
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
         self._ctx = multiprocessing.get_context("spawn")
         self._pool = ProcessPoolExecutor(encode_workers, mp_context=self._ctx)
+        # Start the encoders now (they take a second to spawn), while the model loads, not at the first shard.
+        for _ in range(encode_workers):
+            self._pool.submit(int)
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self._thread.start()

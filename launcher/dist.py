@@ -118,6 +118,10 @@ class Groups:
     world_control: object  # gloo group of all ranks
 
     @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size()
+
+    @property
     def is_writer(self) -> bool:
         return self.tp_rank == 0
 

@@ -88,12 +88,12 @@ def run_worker(cfg) -> int:
     if not any(anyone):  # other workers hold every shard
         dist.destroy_process_group()
         return EXIT_OK
-    w.pipe = pipe = load_pipeline(cfg, device, mesh)
     writer = None
-    if groups.is_writer:
+    if groups.is_writer:  # before the model load, so that its encoder processes start meanwhile
         writers_here = max(1, cfg.mesh.dp // cfg.mesh.nodes)
         n_enc = cfg.output.encode_workers or default_encode_workers(writers_here)
         writer = BackgroundWriter(store, cfg.output, n_enc, on_recorded=claims.release)
+    w.pipe = pipe = load_pipeline(cfg, device, mesh)
     w.timer, w.writer = StageTimer(pipe, device), writer
     apply_compile(pipe, cfg, device_type, w.compile_stats)
     code = EXIT_OK
@@ -132,6 +132,8 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
 
 def _agree(groups: Groups, error: str | None) -> str | None:
     """Exchange local errors within the tp group; every rank gets the first error (or None)."""
+    if groups.tp_size == 1:  # alone: nobody to wait for
+        return error
     errors = [None] * dist.get_world_size(groups.tp_control)
     dist.all_gather_object(errors, error, group=groups.tp_control)
     return next((e for e in errors if e), None)
