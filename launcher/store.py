@@ -77,6 +77,11 @@ class Store:
             with self.fs.open_output_stream(self.path(rel)) as f:  # one object, visible once complete
                 f.write(data)
             return
+        path, tmp = self._synced_temp(rel, data)
+        os.replace(tmp, path)
+
+    def _synced_temp(self, rel: str, data: bytes) -> tuple[Path, Path]:
+        """`data` in a hidden temporary file beside `rel`, on disk for good; (final path, temporary path)."""
         path = self.local(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
@@ -84,7 +89,7 @@ class Store:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return path, tmp
 
     def write_json(self, rel: str, obj: dict) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
@@ -134,13 +139,7 @@ class Store:
         if self.is_local:
             # A complete, synced temporary file linked to the final name: link fails if the name exists, and
             # a reader never sees the file half-written (O_EXCL then write would show it empty for a moment).
-            path = self.local(rel)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            path, tmp = self._synced_temp(rel, data)
             try:
                 os.link(tmp, path)
             except FileExistsError:
