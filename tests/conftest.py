@@ -45,6 +45,26 @@ def run_job(tiny_model, tmp_path_factory):
     return run
 
 
+def slow_job(tiny_model: Path, folder: Path, n: int, *extra: str) -> list[str]:
+    """Overrides of a tiny job over `n` prompts in shards of 2, slow enough (30 steps) to act on mid-run."""
+    prompts = folder / "p.txt"
+    prompts.write_text("".join(f"prompt number {i}, a small test scene\n" for i in range(n)))
+    return [
+        f"model.path={tiny_model}",
+        f"dataset.path={prompts}",
+        "run.shard_size=2",
+        "generate.num_inference_steps=30",
+        *extra,
+    ]
+
+
+def run_clean(job: list[str], out: Path) -> Path:
+    """Run `job` into `out`, which must succeed: the reference that other runs are compared with."""
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
 def read_rows(out) -> dict[str, dict]:
     """Every sample of a run folder (a local path or an s3:// URL), by id, read back from its Parquet files."""
     from launcher.store import Store

@@ -12,29 +12,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LAUNCH, file_snapshot, launch, read_rows
+from conftest import LAUNCH, file_snapshot, launch, read_rows, run_clean, slow_job
 
 N = 24  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run
 
 
 @pytest.fixture(scope="module")
 def job(tiny_model, tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("prompts") / "p.txt"
-    prompts.write_text("".join(f"prompt number {i}, a small test scene\n" for i in range(N)))
-    return [
-        f"model.path={tiny_model}",
-        f"dataset.path={prompts}",
-        "run.shard_size=2",
-        "generate.num_inference_steps=30",
-    ]
+    return slow_job(tiny_model, tmp_path_factory.mktemp("prompts"), N)
 
 
 @pytest.fixture(scope="module")
 def clean(job, tmp_path_factory):
-    out = tmp_path_factory.mktemp("clean")
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out
+    return run_clean(job, tmp_path_factory.mktemp("clean"))
 
 
 def start(*args: str) -> subprocess.Popen:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, launch, read_rows
+from conftest import LAUNCH, launch, read_rows, run_clean, slow_job
 
 from launcher.store import Store
 
@@ -16,23 +16,12 @@ N = 16  # prompts in shards of 2
 
 @pytest.fixture(scope="module")
 def job(tiny_model, tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("prompts") / "p.txt"
-    prompts.write_text("".join(f"worker test prompt {i}\n" for i in range(N)))
-    return [
-        f"model.path={tiny_model}",
-        f"dataset.path={prompts}",
-        "run.shard_size=2",
-        "mesh.tp=1",
-        "generate.num_inference_steps=30",
-    ]
+    return slow_job(tiny_model, tmp_path_factory.mktemp("prompts"), N, "mesh.tp=1")
 
 
 @pytest.fixture(scope="module")
 def one_worker(job, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one")
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out
+    return run_clean(job, tmp_path_factory.mktemp("one"))
 
 
 def run_two_workers(job, out: str, env: dict | None = None) -> list[list[int]]:
