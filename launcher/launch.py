@@ -106,7 +106,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     store = Store(cfg.output.dir)
     if not cfg.run.overwrite:
         ledger.check_run_json(store, cfg)
-    shards, selected = ledger.plan(cfg)  # validates the selection before anything is written
+    shards, selected, stale = ledger.plan(cfg)  # validates the selection before anything is written
     index, _ = resolve_workers(cfg)
     start = time.time()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -119,7 +119,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                     f"(host {others[0]['host']}, pid {others[0]['pid']}); wait for it or stop it first"
                 )
             ledger.discard_outputs(store)
-            shards, selected = ledger.plan(cfg)
+            shards, selected, stale = ledger.plan(cfg)
         ledger.check_run_json(store, cfg)
         rerun = [
             "./launch.sh",
@@ -128,7 +128,6 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         ]
         ledger.write_run_json(store, cfg, shards, rerun)
         ledger.clean_tmp(store)
-        stale = [i for i, st in ledger.statuses(store, shards).items() if st == "stale"]
         if stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", stale)
         code = EXIT_OK

@@ -65,7 +65,7 @@ def run_worker(cfg) -> int:
     else:
         box = [None]
     dist.broadcast_object_list(box, src=0, group=groups.world_control)
-    shards, selected, run_id, run_start = box[0]
+    shards, selected, _, run_id, run_start = box[0]
     index, count = resolve_workers(cfg)
     slot, slots = index * cfg.mesh.dp + groups.dp_rank, count * cfg.mesh.dp
     order = preference(selected, slot, slots)

@@ -24,6 +24,8 @@ FINGERPRINT_KEYS = {
 class Shard:
     index: int
     rows: tuple[dict, ...]
+    # The fingerprint of this shard before dataset.limit cut it: a shard done in full is done under any limit.
+    whole_fingerprint: str | None = None
 
     @property
     def name(self) -> str:

@@ -67,3 +67,4 @@ def test_a_lower_dataset_limit_keeps_done_shards_done(run_job, tiny_model, tmp_p
     res = launch(f"model.path={tiny_model}", f"output.dir={out}", "dataset.limit=12")  # cuts shard 1 in half
     assert res.returncode == 0, res.stderr[-2000:]
     assert "nothing to do" in res.stderr
+    assert "shards: 2 done, 0 failed, 0 pending" in res.stderr  # the cut shard counts as done, not stale

@@ -54,6 +54,13 @@ def workers_of(out: Path) -> list[psutil.Process]:
     return procs
 
 
+def rerun_matches_clean(job: list[str], out: Path, clean: Path) -> None:
+    """The same command again finishes the interrupted job, with the same bytes as a clean run."""
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_as_clean(out, clean)
+
+
 def assert_same_as_clean(out: Path, clean: Path) -> None:
     data = lambda d: {k: v[0] for k, v in file_snapshot(d).items() if k.startswith(("data/", "images/"))}  # noqa: E731
     assert data(out) == data(clean)
@@ -71,9 +78,7 @@ def test_kill9_of_the_whole_job_then_the_same_command_finishes_it(job, clean, tm
     proc.wait()
     psutil.wait_procs(victims, timeout=10)
     assert 2 <= done_count(out) < N // 2
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_as_clean(out, clean)
+    rerun_matches_clean(job, out, clean)
 
 
 def test_sigterm_to_the_launcher_alone_stops_the_job(job, clean, tmp_path):
@@ -92,9 +97,7 @@ def test_sigterm_to_the_launcher_alone_stops_the_job(job, clean, tmp_path):
     gone, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive and not workers_of(out)
     assert done_count(out) < N // 2
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_as_clean(out, clean)
+    rerun_matches_clean(job, out, clean)
 
 
 def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp_path):
@@ -109,9 +112,7 @@ def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp
     print(f"a dead rank ended the job in {notice_s:.2f} s")
     assert code not in (0, 2, 3, 4) and notice_s < 30
     assert not workers_of(out)
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_as_clean(out, clean)
+    rerun_matches_clean(job, out, clean)
 
 
 def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, tiny_model, tmp_path):
