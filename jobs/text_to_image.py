@@ -101,3 +101,28 @@ def run_batch(pipe, batch: Batch, cfg, num_inference_steps: int | None = None) -
         }
         for n, row in enumerate(batch.rows[: batch.n_real])
     ]
+
+
+def count_truncated(pipe, prompts: list[str], max_sequence_length: int) -> int:
+    """How many prompts are longer than `max_sequence_length` tokens, so the text encoder sees them cut.
+
+    Not an error (the pipeline truncates them), but worth a line in the run summary. The prompts are tokenized as
+    the pipeline does: FLUX.2 wraps each one in its chat template with a system message, which counts towards
+    the limit; other pipelines apply max_sequence_length to their last tokenizer (FLUX.1's and SD3's T5; their
+    CLIP tokenizers always stop at 77).
+    """
+    names = ("tokenizer_3", "tokenizer_2", "tokenizer")
+    tokenizer = next((t for t in (getattr(pipe, n, None) for n in names) if t is not None), None)
+    if tokenizer is None or not prompts:
+        return 0
+    saved, tokenizer.model_max_length = tokenizer.model_max_length, 2**62  # long on purpose: no warning
+    try:
+        if type(pipe).__name__ == "Flux2Pipeline":
+            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+            ids = tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompts)["input_ids"]
+    finally:
+        tokenizer.model_max_length = saved
+    return sum(len(i) > max_sequence_length for i in ids)

@@ -1,4 +1,8 @@
-"""Exit codes of the public contract, and the errors that carry them."""
+"""Exit codes of the public contract, the errors that carry them, and a quick exit with one."""
+
+import gc
+import sys
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -16,3 +20,11 @@ class LockHeld(Exception):
     """Another live run of the same worker holds the output folder. Exit 4."""
 
     exit_code = EXIT_LOCKED
+
+
+def exit_with(code: int) -> NoReturn:
+    """sys.exit(code), minus a second of shut-down: the interpreter's last collections would walk every object
+    that torch, diffusers and transformers created (1.1 s measured on CPU; 0.2 s frozen). Exit handlers still run.
+    """
+    gc.freeze()
+    sys.exit(code)

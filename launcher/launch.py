@@ -63,7 +63,7 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
         *rdzv,
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
-        "--monitor-interval=0.5",
+        "--monitor-interval=0.1",
         "-m",
         "launcher.worker",
         f"conf={conf}",
@@ -94,7 +94,6 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher import ledger
     from launcher.card import write_card
     from launcher.lock import RunLock, other_live_runs
-    from launcher.model_checks import count_truncated
     from launcher.store import Store
     from launcher.workers import resolve_workers
 
@@ -139,8 +138,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                 code = run_elastic(plan_.torchrun_args)
         else:
             logger.info("nothing to do: every selected shard of %s is done", store)
-        truncated = count_truncated(cfg, [r for i in selected for r in shards[i].rows])
-        lines, record = summarize(store, shards, run_id, start, code, rerun, truncated)
+        lines, record = summarize(store, shards, run_id, start, code, rerun)
         if code == EXIT_OK and record["failed_now"]:
             code = record["exit_code"] = EXIT_SHARDS_FAILED
         store.append_line("runs.jsonl", json.dumps(record))
@@ -210,4 +208,6 @@ def ensure_model(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launcher.errors import exit_with
+
+    exit_with(main())

@@ -1,5 +1,5 @@
 """Checks of the model that read its configs, never its weights: a folder or a cached hub id, its components,
-tensor-parallel degree against its heads, sizes against its VAE, and how many prompts its tokenizer truncates.
+tensor-parallel degree against its heads, and sizes against its VAE.
 """
 
 from __future__ import annotations
@@ -120,29 +120,3 @@ def _check_heads(path: Path, tp: int, what: str, keys: tuple[str, ...], sharded:
         n = config.get(key)
         if sharded and n and n % tp:
             raise ConfigError(f"mesh.tp={tp} does not divide the {what}'s {key}={n}; use a tp that divides {n}")
-
-
-def count_truncated(cfg, rows: list[dict]) -> int:
-    """How many prompts are longer than generate.max_sequence_length tokens, so the text encoder sees them cut.
-
-    Not an error (the pipeline truncates them), but worth a line in the run summary. Loads the tokenizer only.
-    The prompts are tokenized as the pipeline does: FLUX.2 wraps each one in its chat template with a system
-    message, which counts towards the limit; other pipelines apply max_sequence_length to their last tokenizer
-    (FLUX.1's and SD3's T5; their CLIP tokenizers always stop at 77).
-    """
-    from transformers import AutoTokenizer
-
-    root = model_dir(cfg.model.path)
-    name = next((n for n in ("tokenizer_3", "tokenizer_2", "tokenizer") if (root / n).is_dir()), None)
-    if name is None or not rows:
-        return 0
-    tokenizer = AutoTokenizer.from_pretrained(root / name, local_files_only=True)
-    tokenizer.model_max_length = 2**62  # we measure long prompts on purpose: no "longer than the maximum" warning
-    prompts = [r["prompt"] for r in rows]
-    if _read(root / "model_index.json").get("_class_name") == "Flux2Pipeline":
-        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-
-        ids = tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(prompts)["input_ids"]
-    return sum(len(i) > cfg.generate.max_sequence_length for i in ids)

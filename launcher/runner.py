@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from jobs.text_to_image import make_batches, run_batch
+from jobs.text_to_image import count_truncated, make_batches, run_batch
 from launcher import ledger
 from launcher.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.claims import Claims
@@ -191,6 +191,8 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
         "compiles": w.compile_stats.compiles - compiles,
         "compile_cache_hits": cache_hits() - hits,
+        # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
+        "truncated": count_truncated(w.pipe, [r["prompt"] for r in shard.rows], cfg.generate.max_sequence_length),
     }
     if error:
         state.update(error=error.splitlines()[0], traceback=error)

@@ -24,7 +24,7 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from launcher.config import load_config, split_args
-    from launcher.errors import ConfigError
+    from launcher.errors import ConfigError, exit_with
     from launcher.runner import run_worker
 
     @record  # torchrun then names the rank that failed first, with its traceback
@@ -35,7 +35,7 @@ def main() -> None:
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
 
-    sys.exit(run())
+    exit_with(run())
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from conftest import launch
 from launcher.checks import check_mesh, local_chip_count
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.model_checks import count_truncated
 
 SECONDS = 20  # generous for a loaded 2-core machine; a model load or a network timeout would take longer
 TIMES: dict[str, float] = {}
@@ -220,13 +219,17 @@ def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, m
 
 
 def test_count_truncated_counts_tokens_as_the_pipeline_does(tiny_model):
+    from diffusers import DiffusionPipeline
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    from jobs.text_to_image import count_truncated
 
     # The tiny tokenizer is byte-level: one token per UTF-8 byte, plus FLUX.2's chat template around the system
     # message and the prompt (<s>, [SYSTEM_PROMPT], [/SYSTEM_PROMPT], [INST], [/INST]: 5 special tokens).
     limit = 5 + len(SYSTEM_MESSAGE.encode()) + 10
-    cfg = load_config("tiny", [f"model.path={tiny_model}", f"generate.max_sequence_length={limit}"])
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    max_length = pipe.tokenizer.model_max_length
     prompts = ["a" * 10, "a" * 11, "é" * 5, "é" * 6, "", "a" * 400]
-    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]
-    assert count_truncated(cfg, rows) == 3  # 11 bytes, 12 bytes, 400 bytes
-    assert count_truncated(cfg, []) == 0
+    assert count_truncated(pipe, prompts, limit) == 3  # 11 bytes, 12 bytes, 400 bytes
+    assert count_truncated(pipe, [], limit) == 0
+    assert pipe.tokenizer.model_max_length == max_length  # the pipeline's tokenizer is left as it was

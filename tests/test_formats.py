@@ -68,7 +68,15 @@ def test_globs_number_rows_across_files_and_limit(tmp_path):
 
 def test_a_run_with_overrides_and_webdataset(tiny_model, tmp_path):
     src, out = write_source(tmp_path, "jsonl", ROWS), tmp_path / "out"
-    res = launch(f"model.path={tiny_model}", f"dataset.path={src}", f"output.dir={out}", "output.webdataset=true")
+    # FLUX.2's chat template adds 5 tokens and a 168-byte system message; the tiny tokenizer counts bytes, so a
+    # limit of 185 cuts the prompts over 12 bytes: "a quick sketch" and "a plain field".
+    res = launch(
+        f"model.path={tiny_model}",
+        f"dataset.path={src}",
+        f"output.dir={out}",
+        "output.webdataset=true",
+        "generate.max_sequence_length=185",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_rows(out)
     assert rows["0"]["seed"] == 7
@@ -88,4 +96,6 @@ def test_a_run_with_overrides_and_webdataset(tiny_model, tmp_path):
     assert "shards: 1 done, 0 failed, 0 pending" in res.stderr and "this run: 4 images" in res.stderr
     [record] = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     assert (record["done"], record["images"], record["exit_code"]) == (1, 4, 0)
+    assert record["truncated_prompts"] == 2
+    assert "2 prompts were longer than generate.max_sequence_length and were truncated" in res.stderr
     assert set(record["stages"]) >= {"text_encoder", "denoise", "vae_decode", "writer_wait"}
