@@ -57,7 +57,7 @@ def test_shards_are_cut_on_stable_row_boundaries():
 
 def test_batches_are_padded_and_bucketed_by_shape():
     gen = OmegaConf.create(
-        {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 3}
+        {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 3, "seed": 5}
     )
     rows = [{"id": str(i), "prompt": "p"} for i in range(5)] + [{"id": "w", "prompt": "p", "width": 128}]
     batches = make_batches(rows, gen)
@@ -67,6 +67,7 @@ def test_batches_are_padded_and_bucketed_by_shape():
         (3, 1, (64, 128)),
     ]
     assert batches[1].rows[2] is batches[1].rows[1]
+    assert batches[2].seeds == [row_seed(rows[5], 5)] * 3 and batches[2].settings["width"] == 128
 
 
 def test_fingerprint_ignores_how_the_work_is_run():
