@@ -1,28 +1,34 @@
-"""Writing off the critical path: finished shards are encoded and written by a background thread.
+"""Writing off the critical path: finished shards are encoded and written by a writer process.
 
 Generation hands a shard over and goes on; it waits only when `output.queue_shards` shards are already
-waiting (backpressure), and that wait is measured. PNG encoding, the expensive part (0.1-0.3 s per
-1024x1024 image on one core), runs in a pool of processes that scales with the host's cores. Every outcome,
-failures included, reaches the shard's state file, written last by this thread.
+waiting (backpressure), and that wait is measured. The work itself runs in a spawned writer process: PNG
+encoding (0.1-0.3 s per 1024x1024 image on one core, spread over `encode_workers` processes that scale with the
+host's cores), Parquet and file writes, uploads. The generating process keeps only a thread that hands each
+shard over and then writes its state file, so file I/O never holds that process's GIL while it feeds the chips
+(done in a thread there, it cost ~11 ms of CPU per 16-image shard plus the GIL hand-offs of every syscall).
+Every outcome, failures included, reaches the shard's state file, written last.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from launcher import ledger
+from launcher.errors import die_with_parent
 from launcher.store import Store
 from launcher.writer import delete_shard_files, encode_png, warm_up, write_shard
 
@@ -51,15 +57,17 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
         self._ctx = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(encode_workers, mp_context=self._ctx)
-        # Start the encoders now, while the model loads, not at the first shard: each spawns a Python and imports
-        # this module and its encoder (~0.3 s of CPU) that would otherwise compete with the second shard's work.
-        warm = (np.zeros((1, 1, 3), np.uint8), output_cfg.png_encoder, output_cfg.png_level)
-        for _ in range(encode_workers):
-            self._pool.submit(_encode, warm)
+        plain = OmegaConf.to_object(output_cfg) if OmegaConf.is_config(output_cfg) else output_cfg
+        self._start = (store.uri, plain, encode_workers)
+        self._process = self._new_process()
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self._thread.start()
+
+    def _new_process(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(1, mp_context=self._ctx, initializer=_start_writer, initargs=self._start)
+        pool.submit(int)  # start it now, while the model loads: it spawns, imports and warms up (~1 s of CPU)
+        return pool
 
     def submit(self, job: ShardJob) -> float:
         """Queue a shard for writing; the seconds spent waiting for room in the queue."""
@@ -82,8 +90,6 @@ class BackgroundWriter:
 
     def _loop(self) -> None:
         try:
-            if self.cfg.parquet:
-                warm_up()
             while (job := self._queue.get()) is not None:
                 self._record(job)
         except BaseException as e:  # the state of a shard could not be written: stop, loudly
@@ -100,8 +106,8 @@ class BackgroundWriter:
             job.state.update(
                 status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
             )
-            if isinstance(e, BrokenProcessPool):  # an encoder died (out of memory?): start new ones
-                self._pool = ProcessPoolExecutor(self._pool._max_workers, mp_context=self._ctx)
+            if isinstance(e, BrokenProcessPool):  # the writer process or an encoder died (out of memory?)
+                self._process = self._new_process()
         if job.state["status"] != "done":
             self.failed.append(job.index)
             _retry(lambda: delete_shard_files(self.store, job.name))  # no data of a failed shard stays readable
@@ -115,12 +121,7 @@ class BackgroundWriter:
             return
         t0 = time.perf_counter()
         job.samples.sort(key=lambda s: job.order[s["id"]])
-        encode = [(s.pop("pixels"), self.cfg.png_encoder, self.cfg.png_level) for s in job.samples]
-        if self.cfg.png or self.cfg.parquet or self.cfg.webdataset:  # none: state files only (a benchmark's control)
-            chunk = max(1, len(encode) // (4 * (self._pool._max_workers or 1)))
-            for s, png in zip(job.samples, self._pool.map(_encode, encode, chunksize=chunk), strict=True):
-                s["png"] = png
-        write_shard(self.store, job.name, job.samples, self.cfg)
+        self._process.submit(_write_files, job.name, job.samples).result()
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:
@@ -132,7 +133,7 @@ class BackgroundWriter:
             except queue.Full:
                 continue
         self._thread.join()
-        self._pool.shutdown()
+        self._process.shutdown()
         self._check_alive_or_done()
 
     def _check_alive_or_done(self) -> None:
@@ -150,6 +151,43 @@ def _retry(action: Callable[[], object], attempts: int = 4) -> None:
             if n == attempts - 1:
                 raise
             time.sleep(2**n)
+
+
+# The writer process's side: its output settings, store and encoders, set up once by _start_writer.
+_OUT: dict = {}
+
+
+def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
+    """Initializer of the writer process: open the store, start the encoders, and pay every first-use cost now
+    (imports, pyarrow's first Parquet write) rather than while the second shard generates."""
+    die_with_parent()
+    warm = (np.zeros((1, 1, 3), np.uint8), output_cfg.png_encoder, output_cfg.png_level)
+    encoders = None
+    if encode_workers > 1:  # one encoder needs no pool: the writer process encodes itself
+        ctx = multiprocessing.get_context("spawn")
+        encoders = ProcessPoolExecutor(encode_workers, mp_context=ctx, initializer=die_with_parent)
+        # Stopped before this process exits: multiprocessing joins children before the executor's own exit hook
+        # would tell them to stop, so without this a nested pool hangs the exit.
+        multiprocessing.util.Finalize(encoders, encoders.shutdown, exitpriority=10)
+        for _ in range(encode_workers):
+            encoders.submit(_encode, warm)
+    _encode(warm)
+    if output_cfg.parquet:
+        warm_up()
+    _OUT.update(store=Store(uri), cfg=output_cfg, encoders=encoders)
+
+
+def _write_files(name: str, samples: list[dict]) -> None:
+    """In the writer process: encode a shard's images, then write its files (not its state: the caller does)."""
+    cfg, encoders = _OUT["cfg"], _OUT["encoders"]
+    items = [(s.pop("pixels"), cfg.png_encoder, cfg.png_level) for s in samples]
+    if cfg.png or cfg.parquet or cfg.webdataset:  # none: state files only (a benchmark's control)
+        pngs: Iterable[bytes] = map(_encode, items)
+        if encoders is not None:
+            pngs = encoders.map(_encode, items, chunksize=max(1, len(items) // (4 * encoders._max_workers)))
+        for s, png in zip(samples, pngs, strict=True):
+            s["png"] = png
+    write_shard(_OUT["store"], name, samples, cfg)
 
 
 def _encode(item: tuple[np.ndarray, str, int]) -> bytes:

@@ -1,6 +1,9 @@
-"""Exit codes of the public contract, the errors that carry them, and a quick exit with one."""
+"""Exit codes of the public contract, the errors that carry them, and how our processes end."""
 
+import ctypes
 import gc
+import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -28,3 +31,19 @@ def exit_with(code: int) -> NoReturn:
     """
     gc.freeze()
     sys.exit(code)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+
+    torchrun puts each worker in its own session, so a kill -9 of the launcher would orphan it; and a pool process
+    (writer, encoder) waits on a queue whose write end it holds itself, so it would wait for ever. The signal is
+    tied to the parent *thread*: call this in a child started by a thread that lives as long as its parent.
+    """
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)

@@ -78,7 +78,7 @@ class Store:
                 f.write(data)
             return
         path, tmp = self._synced_temp(rel, data)
-        os.replace(tmp, path)
+        _commit(tmp, path)
 
     def _synced_temp(self, rel: str, data: bytes) -> tuple[Path, Path]:
         """`data` in a hidden temporary file beside `rel`, on disk for good; (final path, temporary path)."""
@@ -120,7 +120,7 @@ class Store:
                 f.write(data)
                 os.fsync(f.fileno())  # a power loss must not leave a "done" shard with empty images
         shutil.rmtree(final, ignore_errors=True)  # an earlier attempt that was never marked done
-        os.replace(tmp, final)
+        _commit(tmp, final)
 
     def delete(self, rel: str) -> None:
         try:
@@ -177,3 +177,17 @@ def _gcs_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
     except PreconditionFailed:
         return False
     return True
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary file or folder into place; when that fails, leave nothing half-written."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if tmp.is_dir():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise

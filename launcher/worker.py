@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import sys
 
+from launcher.errors import die_with_parent
 from launcher.logs import setup_logging
 
 
-def _die_with_parent() -> None:
-    # torchrun puts each worker in its own session, so a kill -9 of the launcher would orphan it: ask the
-    # kernel to SIGKILL this process when its parent dies (Linux; elsewhere the launcher's own cleanup is all).
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     setup_logging()
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -72,11 +72,15 @@ def test_kill9_of_the_whole_job_then_the_same_command_finishes_it(job, clean, tm
     out = tmp_path / "out"
     proc = start(*job, f"output.dir={out}")
     wait_for(lambda: done_count(out) >= 2)
-    victims = [psutil.Process(proc.pid), *workers_of(out)]
+    launcher = psutil.Process(proc.pid)
+    everyone = launcher.children(recursive=True)  # workers, their writer processes and encoders
+    assert len(everyone) > len(workers_of(out)) == 2
+    victims = [launcher, *workers_of(out)]
     for p in victims:
         p.kill()
     proc.wait()
-    psutil.wait_procs(victims, timeout=10)
+    _, alive = psutil.wait_procs(everyone, timeout=10)
+    assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
     assert 2 <= done_count(out) < N // 2
     rerun_matches_clean(job, out, clean)
 
@@ -135,6 +139,26 @@ def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, 
     for name in before:  # the done shards' files are untouched
         if "00001" not in name and name != "run.json":
             assert after[name] == before[name], name
+    assert read_rows(out) == read_rows(run_job())
+
+
+def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    args = [f"model.path={tiny_model}", f"output.dir={out}"]
+    (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
+    res = launch(*args)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "failed shards [1]" in res.stderr
+    states = {i: json.loads((out / "state" / f"shard-0000{i}.json").read_text()) for i in range(3)}
+    assert [states[i]["status"] for i in range(3)] == ["done", "failed", "done"]
+    assert states[1]["error"].startswith("IsADirectoryError while writing")
+    assert "Traceback" in states[1]["traceback"]
+    assert not (out / "images" / "shard-00001").exists()  # no image of a failed shard stays readable
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    (out / "data" / "shard-00001.parquet").rmdir()
+    res = launch(*args)  # the same command again: only shard 1 is written
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "this run: 8 images from 1 shards" in res.stderr
     assert read_rows(out) == read_rows(run_job())
 
 
