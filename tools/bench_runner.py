@@ -1,8 +1,10 @@
 """The runner against a bare diffusers loop, and the runner with writes against without, on the same job.
 
 Every variant runs as its own process, as a user runs it, with the same model, prompts, seeds, settings and
-thread count (OMP_NUM_THREADS is set explicitly for all of them on CPU). One repeat runs them back to back, in an
-order that rotates between repeats, so a slow spell on a shared machine hits each variant in turn:
+thread count (OMP_NUM_THREADS is set explicitly for all of them on CPU). One repeat runs them back to back; the
+runner runs right next to the two it is compared with (the bare loop, and itself without writes), and the order
+reverses every other repeat, so the machine's slow and quiet spells (minutes long on a shared host) fall on both
+sides of each ratio:
 - `runner`: `./launch.sh` with PNG and Parquet outputs, N prompts, shards of `shard_size`;
 - `runner_nowrite`: the same with no output (`output.png/parquet/webdataset=false`: state files only);
 - `runner_first`: the same job with one prompt, for the time to the first image on disk;
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("runner", "runner_nowrite", "runner_first", "bare")
+VARIANTS = ("runner_first", "runner_nowrite", "runner", "bare")
 
 
 def job_overrides(
@@ -214,7 +216,7 @@ def bench_runner(
         env = _env(device, threads)
         runs = []
         for i in range(repeats):
-            order = list(VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)])
+            order = list(VARIANTS if i % 2 == 0 else reversed(VARIANTS))
             runs.append({**one_repeat(overrides, work, n, shard_size, skip, env, order), "order": order})
     # Every post-warm-up shard of every repeat in one pool: steadier than a median of per-repeat ratios when
     # other processes come and go, since a burst that hits one variant of a repeat counts once, not as a ratio.
