@@ -99,7 +99,7 @@ class BackgroundWriter:
     def _record(self, job: ShardJob) -> None:
         # A shard being regenerated stops being done before its files change: a crash in between leaves it
         # pending, never "done" with a mix of old and new files.
-        _retry(lambda: self.store.delete(ledger.state_rel(job.index)))
+        self.store.delete(ledger.state_rel(job.index))
         try:
             self._write(job)
         except Exception as e:  # a write error fails that shard, never silently
@@ -110,11 +110,14 @@ class BackgroundWriter:
                 self._process = self._new_process()
         if job.state["status"] != "done":
             self.failed.append(job.index)
-            _retry(lambda: delete_shard_files(self.store, job.name))  # no data of a failed shard stays readable
+            try:  # no data of a failed shard stays readable
+                delete_shard_files(self.store, job.name)
+            except OSError as e:  # said in its state; the shard is failed either way
+                job.state["error"] += f"; its files could not be removed: {type(e).__name__}: {e}"
         job.queued.wait()
         job.state["finished_at"] = time.time()
-        _retry(lambda: self.store.write_json(ledger.state_rel(job.index), job.state))
-        _retry(lambda: self.on_recorded(job.index))
+        self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
+        self.on_recorded(job.index)
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
@@ -139,18 +142,6 @@ class BackgroundWriter:
     def _check_alive_or_done(self) -> None:
         if self.fatal is not None:
             raise RuntimeError(f"the shard writer stopped: {self.fatal!r}")
-
-
-def _retry(action: Callable[[], object], attempts: int = 4) -> None:
-    """Object stores fail transiently now and then: try again, 1 s, 2 s, 4 s later."""
-    for n in range(attempts):
-        try:
-            action()
-            return
-        except Exception:
-            if n == attempts - 1:
-                raise
-            time.sleep(2**n)
 
 
 # The writer process's side: its output settings, store and encoders, set up once by _start_writer.

@@ -6,6 +6,8 @@ Every read and write of a run folder goes through a Store, so the same guarantee
 - `create_exclusive` creates a file only if it does not exist yet, atomically: `O_EXCL` on disk, a
   conditional PUT on S3 (`If-None-Match: *`) and on GCS (`ifGenerationMatch=0`). Claims and object-store locks
   are built on it.
+Object stores fail transiently now and then (a 500, a dropped response stream): every object-store call is
+tried again, 0.5, 1 and 2 s later, before its error is raised. A missing file is never retried.
 Credentials come from the standard places: the `AWS_*` variables (`AWS_ENDPOINT_URL` included) for S3, and
 Google's application default credentials for GCS.
 """
@@ -13,13 +15,20 @@ Google's application default credentials for GCS.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 TMP_MARK = ".tmp-"
+RETRIES = 4  # attempts of one object-store call
+RETRY_DELAY_S = 0.5  # before the second attempt; doubled before each next one
+
+logger = logging.getLogger(__name__)
 
 
 class Store:
@@ -44,26 +53,42 @@ class Store:
         assert self.is_local, "only a local store has local paths"
         return Path(self.path(rel))
 
+    def _call(self, fn: Callable, *args):
+        """fn(*args); on an object store, tried again after a transient error."""
+        attempts = 1 if self.is_local else RETRIES
+        for n in range(attempts):
+            try:
+                return fn(*args)
+            except OSError as e:
+                if _missing(e) or n == attempts - 1:
+                    raise
+                delay = RETRY_DELAY_S * 2**n
+                logger.warning("%s: %s; trying again in %.1f s", self.uri, str(e).splitlines()[0][:200], delay)
+                time.sleep(delay)
+
     # -- reading
     def read_bytes(self, rel: str) -> bytes | None:
         try:
-            with self.fs.open_input_stream(self.path(rel)) as f:
-                return f.read()
-        except (FileNotFoundError, OSError) as e:
-            if isinstance(e, FileNotFoundError) or "NoSuchKey" in str(e) or "not found" in str(e).lower():
+            return self._call(self._read, self.path(rel))
+        except OSError as e:
+            if _missing(e):
                 return None
             raise
+
+    def _read(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
 
     def read_json(self, rel: str) -> dict | None:
         data = self.read_bytes(rel)
         return None if data is None else json.loads(data)
 
     def exists(self, rel: str) -> bool:
-        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+        return self._call(self.fs.get_file_info, self.path(rel)).type != pafs.FileType.NotFound
 
     def files(self, rel_dir: str, suffix: str = "") -> list[pafs.FileInfo]:
         """Files directly under `rel_dir`, by name; temporary files of a live run (hidden names) left out."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        infos = self._call(self.fs.get_file_info, pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
         keep = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
         return sorted((i for i in keep if i.base_name.endswith(suffix)), key=lambda i: i.base_name)
 
@@ -74,11 +99,14 @@ class Store:
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write `rel` whole or not at all."""
         if not self.is_local:
-            with self.fs.open_output_stream(self.path(rel)) as f:  # one object, visible once complete
-                f.write(data)
+            self._call(self._put, self.path(rel), data)
             return
         path, tmp = self._synced_temp(rel, data)
         _commit(tmp, path)
+
+    def _put(self, path: str, data: bytes) -> None:
+        with self.fs.open_output_stream(path) as f:  # one object, visible once complete
+            f.write(data)
 
     def _synced_temp(self, rel: str, data: bytes) -> tuple[Path, Path]:
         """`data` in a hidden temporary file beside `rel`, on disk for good; (final path, temporary path)."""
@@ -123,16 +151,20 @@ class Store:
         _commit(tmp, final)
 
     def delete(self, rel: str) -> None:
+        """Remove `rel` if it exists. Any other error is raised: a state file that could not be removed must not
+        be taken for removed."""
         try:
-            self.fs.delete_file(self.path(rel))
-        except (FileNotFoundError, OSError):
-            pass
+            self._call(self.fs.delete_file, self.path(rel))
+        except OSError as e:
+            if not _missing(e):
+                raise
 
     def delete_dir(self, rel: str) -> None:
         try:
-            self.fs.delete_dir(self.path(rel))
-        except (FileNotFoundError, OSError):
-            pass
+            self._call(self.fs.delete_dir, self.path(rel))
+        except OSError as e:
+            if not _missing(e):
+                raise
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` with `data` if it does not exist; False if it does. Atomic on every backend."""
@@ -177,6 +209,10 @@ def _gcs_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
     except PreconditionFailed:
         return False
     return True
+
+
+def _missing(e: OSError) -> bool:
+    return isinstance(e, FileNotFoundError) or "NoSuchKey" in str(e) or "not found" in str(e).lower()
 
 
 def _commit(tmp: Path, final: Path) -> None:

@@ -85,9 +85,18 @@ def warm_up() -> None:
 
 def delete_shard_files(store: Store, shard_name: str) -> None:
     """Remove a shard's data files (before recording it failed: a loader must not read a failed shard's rows)."""
-    store.delete(f"{DATA_DIR}/{shard_name}.parquet")
-    store.delete(f"{WDS_DIR}/{shard_name}.tar")
-    store.delete_dir(f"{IMAGES_DIR}/{shard_name}")
+    errors = []
+    for delete, rel in (
+        (store.delete, f"{DATA_DIR}/{shard_name}.parquet"),
+        (store.delete, f"{WDS_DIR}/{shard_name}.tar"),
+        (store.delete_dir, f"{IMAGES_DIR}/{shard_name}"),
+    ):
+        try:  # each one, whatever happened to the others
+            delete(rel)
+        except OSError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def webdataset_tar(samples: list[dict]) -> bytes:

@@ -152,6 +152,7 @@ def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
     states = {i: json.loads((out / "state" / f"shard-0000{i}.json").read_text()) for i in range(3)}
     assert [states[i]["status"] for i in range(3)] == ["done", "failed", "done"]
     assert states[1]["error"].startswith("IsADirectoryError while writing")
+    assert "its files could not be removed: IsADirectoryError" in states[1]["error"]  # the obstacle stays
     assert "Traceback" in states[1]["traceback"]
     assert not (out / "images" / "shard-00001").exists()  # no image of a failed shard stays readable
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]

@@ -113,3 +113,40 @@ def test_unreachable_bucket_is_a_clear_error(job, s3, tmp_path):
     res = launch(*job, "output.dir=s3://no-such-bucket/x", env=s3)
     assert res.returncode == 2 and "cannot be reached" in res.stderr.strip().splitlines()[-1]
     assert "Traceback" not in res.stderr
+
+
+class Flaky:
+    """A pyarrow filesystem whose every method fails its first `fails` calls, as S3 does now and then."""
+
+    def __init__(self, fs, fails: int):
+        self.fs, self.fails, self.calls = fs, fails, {}
+
+    def __getattr__(self, name):
+        real = getattr(self.fs, name)
+
+        def call(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.calls[name] <= self.fails:
+                raise OSError("AWS Error INTERNAL_FAILURE during GetObject operation: Failed to flush response stream")
+            return real(*args, **kwargs)
+
+        return call
+
+
+def test_object_store_calls_are_tried_again_after_transient_errors(s3, monkeypatch):
+    import launcher.store
+
+    monkeypatch.setattr(launcher.store, "RETRY_DELAY_S", 0.0)
+    store = Store("s3://meshgen-test/flaky")
+    real = store.fs
+    store.fs = flaky = Flaky(real, 2)
+    store.write_json("a/x.json", {"k": 1})
+    assert store.read_json("a/x.json") == {"k": 1}
+    assert [f.base_name for f in store.files("a")] == ["x.json"]
+    store.delete("a/x.json")
+    assert flaky.calls == {"open_output_stream": 3, "open_input_stream": 3, "get_file_info": 3, "delete_file": 3}
+    assert store.read_json("a/x.json") is None
+    assert flaky.calls["open_input_stream"] == 4  # a missing file is an answer, not an error to try again
+    store.fs = Flaky(real, launcher.store.RETRIES)  # failing more often than it is tried: the error is raised
+    with pytest.raises(OSError, match="INTERNAL_FAILURE"):
+        store.read_bytes("a/x.json")
