@@ -181,6 +181,9 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     seconds = time.perf_counter() - start - warmup
     if w.writer is None:
         return error is None
+    # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
+    prompts = [r["prompt"] for r in shard.rows]
+    truncated = None if error else count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
     state = {
         "status": "failed" if error else "done",
         "rows": len(shard.rows),
@@ -191,8 +194,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
         "compiles": w.compile_stats.compiles - compiles,
         "compile_cache_hits": cache_hits() - hits,
-        # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
-        "truncated": count_truncated(w.pipe, [r["prompt"] for r in shard.rows], cfg.generate.max_sequence_length),
+        "truncated": truncated,
     }
     if error:
         state.update(error=error.splitlines()[0], traceback=error)

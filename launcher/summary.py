@@ -97,7 +97,7 @@ def summarize(
     for st in ran.values():
         for k, v in st.get("stages", {}).items():
             stages[k] = round(stages.get(k, 0.0) + v, 3)
-    truncated = sum(st.get("truncated", 0) for st in ran.values() if st["status"] == "done")
+    truncated = sum(st.get("truncated") or 0 for st in ran.values() if st["status"] == "done")
     failed = sorted(i for i, s in status.items() if s == "failed")
     counts = {k: sum(v == k for v in status.values()) for k in ("done", "failed", "pending", "stale")}
     record = {
