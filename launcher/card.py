@@ -1,6 +1,6 @@
 """What a run folder says about itself, and its dataset card: `python -m launcher.card OUTPUT_DIR`.
 
-Everything here reads only the run folder (run.json, state/, data/), through `RunFolder`, so the card and the
+Everything here reads only the run folder (run.json, state/, data/), through a `Store`, so the card and the
 inspection tools (tools/contact_sheet.py, tools/report.py) work during a run, after it, or on a copy. The card is
 OUTPUT_DIR/README.md with the YAML front matter that the Hugging Face Hub and `datasets` read, so the folder
 can be pushed to the Hub as is.
@@ -18,8 +18,6 @@ import yaml
 
 from launcher.ledger import DATA_DIR, STATE_DIR
 from launcher.store import Store
-
-RunFolder = Store  # every read of a run folder goes through the Store, local or object store
 
 
 def open_run(out: str | Path | Store) -> Store:
@@ -40,7 +38,7 @@ def stage_seconds(state: dict) -> dict[str, float]:
     return {}
 
 
-def summarize(run: RunFolder) -> dict:
+def summarize(run: Store) -> dict:
     """The run's config, per-shard outcomes and totals, from run.json and the state files."""
     meta = run.read_json("run.json")
     if meta is None:
@@ -86,7 +84,7 @@ def summarize(run: RunFolder) -> dict:
     }
 
 
-def data_files(run: RunFolder, summary: dict) -> tuple[list[str], list[str], int]:
+def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], int]:
     """What the card names (relative paths or a glob), the done shards' Parquet files, and their row count.
 
     A glob when every file belongs to a done shard, so the card stays short for big runs; otherwise the done
@@ -99,7 +97,7 @@ def data_files(run: RunFolder, summary: dict) -> tuple[list[str], list[str], int
     return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, rows
 
 
-def hf_features(run: RunFolder, first_file: str) -> list[dict]:
+def hf_features(run: Store, first_file: str) -> list[dict]:
     """The `dataset_info.features` list, from the Parquet schema's Hugging Face metadata (the file is the truth)."""
     raw = run.parquet(first_file).schema_arrow.metadata or {}
     if b"huggingface" in raw:
@@ -123,7 +121,7 @@ def hub_license(note: str) -> dict:
     return {"license": "other", "license_name": name or "model-license", **({"license_link": url[0]} if url else {})}
 
 
-def front_matter(run: RunFolder, summary: dict) -> dict:
+def front_matter(run: Store, summary: dict) -> dict:
     model = summary["meta"]["config"]["model"]
     front = {**hub_license(model.get("license", "")), "task_categories": ["text-to-image"], "tags": ["synthetic"]}
     named, files, rows = data_files(run, summary)
@@ -141,7 +139,7 @@ def front_matter(run: RunFolder, summary: dict) -> dict:
     return front
 
 
-def card_text(run: RunFolder) -> str:
+def card_text(run: Store) -> str:
     summary = summarize(run)
     meta, counts, cfg = summary["meta"], summary["counts"], summary["meta"]["config"]
     model = cfg["model"]
@@ -192,6 +190,16 @@ def write_card(out: str | Path | Store) -> str:
     if run.read_bytes("README.md") != text:  # a rerun with nothing new leaves the folder untouched
         run.write_bytes("README.md", text)
     return run.path("README.md")
+
+
+def write_output(out: str | Path | Store, name: str, data: bytes, dest: Path | None = None) -> str:
+    """Write `data` to `dest` (a local file) if given, else into the run folder as `name`; where it went."""
+    if dest is not None:
+        Store(dest.parent).write_bytes(dest.name, data)
+        return str(dest)
+    run = open_run(out)
+    run.write_bytes(name, data)
+    return run.path(name)
 
 
 def main(argv: list[str] | None = None) -> int:

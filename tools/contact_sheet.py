@@ -15,7 +15,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from launcher.card import RunFolder, open_run, shard_name, summarize
+from launcher.card import open_run, shard_name, summarize, write_output
 from launcher.ledger import DATA_DIR, IMAGES_DIR
 from launcher.store import Store
 
@@ -29,7 +29,7 @@ CELL_H = THUMB + 2 * PAD + CAPTION_LINES * LINE_H
 BACKGROUND = (255, 255, 255)
 
 
-def first_samples(run: RunFolder, n: int) -> list[tuple[str, bytes]]:
+def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
     """(caption, png bytes) of the first n samples of the done shards, in shard and row order.
 
     That is id order for the default ids (row numbers), and it lets us stop reading as soon as we have n,
@@ -127,13 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.out:  # a local file
-        Store(args.out.parent).write_bytes(args.out.name, png_bytes(sheet))
-        print(args.out)
-    else:  # into the run folder, local or object store
-        run = Store(args.output_dir)
-        run.write_bytes("contact_sheet.png", png_bytes(sheet))
-        print(run.path("contact_sheet.png"))
+    print(write_output(args.output_dir, "contact_sheet.png", png_bytes(sheet), args.out))
     return 0
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from contact_sheet import contact_sheet, png_bytes
 
-from launcher.card import open_run, summarize
-from launcher.store import Store
+from launcher.card import open_run, summarize, write_output
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
@@ -159,13 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.out:  # a local file
-        Store(args.out.parent).write_bytes(args.out.name, page.encode())
-        print(args.out)
-    else:  # into the run folder, local or object store
-        run = Store(args.output_dir)
-        run.write_bytes("report.html", page.encode())
-        print(run.path("report.html"))
+    print(write_output(args.output_dir, "report.html", page.encode(), args.out))
     return 0
 
 
