@@ -52,7 +52,7 @@ def default_encode_workers(writers_on_host: int) -> int:
 
 class BackgroundWriter:
     def __init__(self, store: Store, output_cfg, encode_workers: int, on_recorded: Callable[[int], None]):
-        self.store, self.cfg, self.on_recorded = store, output_cfg, on_recorded
+        self.store, self.on_recorded = store, on_recorded
         self.failed: list[int] = []
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
@@ -73,7 +73,7 @@ class BackgroundWriter:
         """Queue a shard for writing; the seconds spent waiting for room in the queue."""
         t0 = time.perf_counter()
         while True:  # never wait forever on a writer that died
-            self._check_alive()
+            self._raise_if_failed()
             try:
                 self._queue.put(job, timeout=1.0)
                 break
@@ -84,8 +84,9 @@ class BackgroundWriter:
         job.queued.set()  # the state is complete: the writer may now record it
         return waited
 
-    def _check_alive(self) -> None:
-        if not self._thread.is_alive():
+    def _raise_if_failed(self) -> None:
+        # Until close(), the thread ends only by failing, and it sets `fatal` before it ends.
+        if self.fatal is not None:
             raise RuntimeError(f"the shard writer stopped: {self.fatal!r}")
 
     def _loop(self) -> None:
@@ -137,11 +138,7 @@ class BackgroundWriter:
                 continue
         self._thread.join()
         self._process.shutdown()
-        self._check_alive_or_done()
-
-    def _check_alive_or_done(self) -> None:
-        if self.fatal is not None:
-            raise RuntimeError(f"the shard writer stopped: {self.fatal!r}")
+        self._raise_if_failed()
 
 
 # The writer process's side: its output settings, store and encoders, set up once by _start_writer.
