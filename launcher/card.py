@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.ledger import DATA_DIR, STATE_DIR
+from launcher.ledger import DATA_DIR, STATE_DIR, read_states
 from launcher.store import Store
 
 
@@ -44,10 +44,11 @@ def summarize(run: Store) -> dict:
     if meta is None:
         raise FileNotFoundError(f"{run.root} has no run.json; is it a meshgen output folder?")
     mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
+    states = read_states(run)
     shards, from_mtime = [], False
     for index in range(meta["shards"]):
         name = f"{shard_name(index)}.json"
-        st = run.read_json(f"{STATE_DIR}/{name}") or {}
+        st = states.get(index, {})
         finished = st.get("finished_at")
         if finished is None and name in mtimes:
             # The state file is written last, so its mtime is when the shard finished, for runs that predate

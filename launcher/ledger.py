@@ -108,8 +108,7 @@ def shard_status(state: dict | None, shard: Shard) -> str:
     return "stale"
 
 
-def statuses(store: Store, shards: list[Shard]) -> dict[int, str]:
-    states = read_states(store)
+def statuses(states: dict[int, dict], shards: list[Shard]) -> dict[int, str]:
     return {s.index: shard_status(states.get(s.index), s) for s in shards}
 
 
@@ -164,6 +163,6 @@ def plan(cfg) -> tuple[list[Shard], list[int], list[int]]:
         whole = cut_shards(rows, cfg.run.shard_size)
         shards = [dataclasses.replace(s, whole_fingerprint=whole[s.index].fingerprint) for s in shards]
     selection = parse_selection(cfg.run.shards, len(shards))
-    status = statuses(Store(cfg.output.dir), shards)
+    status = statuses(read_states(Store(cfg.output.dir)), shards)
     stale = [i for i, st in status.items() if st == "stale"]
     return shards, select_shards(status, selection, cfg.run.stale), stale

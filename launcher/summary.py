@@ -89,7 +89,7 @@ def summarize(
 ) -> tuple[list[str], dict]:
     """The end-of-run summary lines, and the record appended to runs.jsonl."""
     states = ledger.read_states(store)
-    status = {s.index: ledger.shard_status(states.get(s.index), s) for s in shards}
+    status = ledger.statuses(states, shards)
     ran = {i: st for i, st in states.items() if st.get("run_id") == run_id}
     images = sum(st["rows"] for st in ran.values() if st["status"] == "done")
     wall = time.time() - start
