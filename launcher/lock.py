@@ -54,8 +54,10 @@ def pid_alive(pid: int) -> bool:
 def run_alive(store: Store, worker_index: int, run_id: str) -> bool:
     """Whether the run `run_id` of this worker index still holds its lock (so its claims are live)."""
     rec = read_lock(store, worker_index)
-    if not rec or rec.get("run_id") != run_id:
-        return False
+    return bool(rec) and rec.get("run_id") == run_id and _holder_alive(store, worker_index, rec)
+
+
+def _holder_alive(store: Store, worker_index: int, rec: dict) -> bool:
     if store.is_local:  # the kernel knows: the flock is held exactly while its holder lives
         return _flock_held(store.local(lock_rel(worker_index, store)))
     return time.time() - rec.get("heartbeat", 0) < STALE_S
@@ -79,12 +81,12 @@ def other_live_runs(store: Store, worker_index: int) -> list[dict]:
     """Lock records of the live runs of other worker indexes on this output folder."""
     live = []
     for info in store.files("locks"):
-        name = info.base_name
-        if not name.startswith("worker-") or int(name[7:12]) == worker_index:
+        if not info.base_name.startswith("worker-"):
             continue
-        rec = read_lock(store, int(name[7:12]))
-        if rec and run_alive(store, int(name[7:12]), rec.get("run_id", "")):
-            live.append({**rec, "worker": int(name[7:12])})
+        index = int(info.base_name[7:12])
+        rec = read_lock(store, index) if index != worker_index else None
+        if rec and _holder_alive(store, index, rec):
+            live.append({**rec, "worker": index})
     return live
 
 
@@ -128,7 +130,7 @@ class RunLock:
             self._write()
         elif not self.store.create_exclusive(self.rel, self._payload()):
             holder = read_lock(self.store, self.index)
-            if holder and time.time() - holder.get("heartbeat", 0) < STALE_S:
+            if holder and _holder_alive(self.store, self.index, holder):
                 raise self._refused(holder)
             self._write()  # take over a dead holder's lock, then make sure no other launcher did the same
             time.sleep(2)
