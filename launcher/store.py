@@ -3,7 +3,7 @@
 Every read and write of a run folder goes through a Store, so the same guarantees hold everywhere:
 - a file appears whole or not at all: on disk through a temporary name and a rename; on an object store by
   one PUT (pyarrow completes a multipart upload atomically), so no temporary objects exist there;
-- `create_exclusive` creates a file only if it does not exist yet, atomically: `O_EXCL` on disk, a
+- `create_exclusive` creates a file only if it does not exist yet, atomically: a hard link on disk, a
   conditional PUT on S3 (`If-None-Match: *`) and on GCS (`ifGenerationMatch=0`). Claims and object-store locks
   are built on it.
 Object stores fail transiently now and then (a 500, a dropped response stream): every object-store call is
