@@ -8,4 +8,4 @@ if [[ -z "$py" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
 # exec: the launcher becomes this process, so a signal sent to launch.sh (PID 1 in a container) reaches it.
-exec "$py" -m launcher.launch "$@"
+exec "$py" -m launcher.host.launch "$@"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from launcher.shards import row_seed
+from launcher.ledger.shards import row_seed
+from launcher.models import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ def _accepted(pipeline_class) -> frozenset[str]:
     return frozenset(inspect.signature(pipeline_class.__call__).parameters)
 
 
+@functools.cache
+def _family(pipeline_class):
+    return family_of(pipeline_class.__name__)
+
+
 def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     """Keyword arguments of one pipeline call, keeping only those the pipeline accepts."""
     accepted = _accepted(type(pipe))
@@ -74,9 +80,7 @@ def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     }
     if "negative_prompt" in accepted and any(r.get("negative_prompt") for r in batch.rows):
         kwargs["negative_prompt"] = [r.get("negative_prompt") or "" for r in batch.rows]
-    for key in ("text_encoder_out_layers",):
-        if key in kwargs:
-            kwargs[key] = tuple(kwargs[key])
+    kwargs = _family(type(pipe)).call_kwargs(kwargs)
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
@@ -109,22 +113,17 @@ def count_truncated(pipe, prompts: list[str], max_sequence_length: int) -> int:
     """How many prompts are longer than `max_sequence_length` tokens, so the text encoder sees them cut.
 
     Not an error (the pipeline truncates them), but worth a line in the run summary. The prompts are tokenized as
-    the pipeline does: FLUX.2 wraps each one in its chat template with a system message, which counts towards
-    the limit; other pipelines apply max_sequence_length to their last tokenizer (FLUX.1's and SD3's T5; their
-    CLIP tokenizers always stop at 77).
+    the pipeline does, which the family knows (FLUX.2 adds a system message that counts towards the limit).
     """
-    names = ("tokenizer_3", "tokenizer_2", "tokenizer")
-    tokenizer = next((t for t in (getattr(pipe, n, None) for n in names) if t is not None), None)
-    if tokenizer is None or not prompts:
+    tokenizers = [t for t in (getattr(pipe, n, None) for n in ("tokenizer", "tokenizer_2", "tokenizer_3")) if t]
+    if not tokenizers or not prompts:
         return 0
-    saved, tokenizer.model_max_length = tokenizer.model_max_length, 2**62  # long on purpose: no warning
+    saved = [t.model_max_length for t in tokenizers]
+    for t in tokenizers:
+        t.model_max_length = 2**62  # long on purpose: no warning
     try:
-        if type(pipe).__name__ == "Flux2Pipeline":
-            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-
-            ids = tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(prompts)["input_ids"]
+        ids = _family(type(pipe)).token_ids(pipe, prompts) or []
     finally:
-        tokenizer.model_max_length = saved
+        for t, m in zip(tokenizers, saved, strict=True):
+            t.model_max_length = m
     return sum(len(i) > max_sequence_length for i in ids)

@@ -18,7 +18,7 @@ LAUNCH = str(REPO / "launch.sh")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from launcher.tiny_model import build_tiny_flux2
+    from launcher.models.flux2 import build_tiny as build_tiny_flux2
 
     return build_tiny_flux2(tmp_path_factory.mktemp("model") / "tiny-flux2")
 
@@ -67,7 +67,7 @@ def run_clean(job: list[str], out: Path) -> Path:
 
 def read_rows(out) -> dict[str, dict]:
     """Every sample of a run folder (a local path or an s3:// URL), by id, read back from its Parquet files."""
-    from launcher.store import Store
+    from launcher.ledger.store import Store
 
     store, rows = Store(out), {}
     for f in store.files("data", ".parquet"):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import launch
 
-from launcher.checks import check_mesh, local_chip_count
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.host.checks import check_mesh, local_chip_count
 
 SECONDS = 20  # generous for a loaded 2-core machine; a model load or a network timeout would take longer
 TIMES: dict[str, float] = {}
@@ -168,8 +168,8 @@ def test_bad_input_exits_2_with_one_clear_line(case, tiny_model, bad, tmp_path, 
 # check_mesh a CUDA or TPU host by replacing the device and chip-count probes.
 @pytest.mark.parametrize("device", ["cuda", "tpu"])
 def test_more_processes_than_chips(device, monkeypatch):
-    monkeypatch.setattr("launcher.dist.resolve_device", lambda d: device)
-    monkeypatch.setattr("launcher.checks.local_chip_count", lambda d: 4 if d == device else None)
+    monkeypatch.setattr("launcher.worker.dist.resolve_device", lambda d: device)
+    monkeypatch.setattr("launcher.host.checks.local_chip_count", lambda d: 4 if d == device else None)
     check_mesh(load_config("tiny", [f"device={device}", "mesh.dp=2", "mesh.tp=2"]))  # 4 on 4 chips: fine
     with pytest.raises(ConfigError, match=rf"= 8 processes per host but this host has 4 {device} chips"):
         check_mesh(load_config("tiny", [f"device={device}", "mesh.dp=4", "mesh.tp=2"]))
@@ -185,7 +185,7 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
     monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
     # A v6e-8: eight chips, as /dev/vfio/0..7 (older TPUs show /dev/accel0..N instead).
     monkeypatch.setattr(
-        "launcher.dist.glob.glob", lambda p: [f"/dev/vfio/{i}" for i in range(8)] if "vfio" in p else []
+        "launcher.worker.dist.glob.glob", lambda p: [f"/dev/vfio/{i}" for i in range(8)] if "vfio" in p else []
     )
     assert local_chip_count("tpu") == 8
     monkeypatch.setenv("TPU_VISIBLE_CHIPS", "0,1")
@@ -196,7 +196,7 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
 def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from launcher.model_checks import check_model
+    from launcher.host.model_checks import check_model
 
     # A hub cache holding the whole tiny pipeline under a made-up id, as `hf download` would leave it.
     repo = tmp_path / "models--nobody--tiny-flux2"

@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end at tiny sizes and report every number. Nothing here judges a timing:
-the targets are checked by running tools/bench.py at the issue's sizes, not by tests."""
+the targets are checked by running tools/bench at the issue's sizes, not by tests."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def tools(monkeypatch):
-    """Import the tools' modules the way `python tools/bench.py` finds them (the script's folder on the path)."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    """Import the benchmark modules the way `python -m tools.bench` finds them (the checkout on the path)."""
+    monkeypatch.syspath_prepend(str(REPO))
 
 
 def _positive_numbers(node, path=""):
@@ -31,7 +31,7 @@ def _positive_numbers(node, path=""):
 
 
 def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, capsys):
-    import bench
+    from tools.bench import __main__ as bench
 
     out = tmp_path / "bench.json"
     tiny = ["--images", "4", "--shard-size", "2", "--repeats", "1", "--height", "32", "--width", "32"]
@@ -68,7 +68,7 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
 
 
 def test_photo_like_images_are_not_flat(tools):
-    from bench_writer import photo_like
+    from tools.bench.writer import photo_like
 
     img = photo_like(128, seed=1)
     assert img.shape == (128, 128, 3) and img.dtype == np.uint8
@@ -78,13 +78,13 @@ def test_photo_like_images_are_not_flat(tools):
 
 
 def test_flux1_step_flops_match_the_issue(tools):
-    from gpu_bench import FLUX1_DEV, step_flops
+    from tools.bench.gpu import FLUX1_DEV, step_flops
 
     assert step_flops(FLUX1_DEV, 4096, 512) / 1e12 == pytest.approx(74.4, abs=0.1)
 
 
 def test_gpu_bench_dry_run_writes_json(tmp_path, tools):
-    import gpu_bench
+    from tools.bench import gpu as gpu_bench
 
     out = tmp_path / "mfu.json"
     assert gpu_bench.main(["--dry-run", "--modes", "eager", "--out", str(out)]) == 0

@@ -5,11 +5,11 @@ import json
 import pytest
 from conftest import launch
 
-from launcher.claims import Claims
-from launcher.dataset import read_prompts
 from launcher.errors import ConfigError, LockHeld
-from launcher.lock import RunLock, run_alive
-from launcher.store import Store
+from launcher.ledger.claims import Claims
+from launcher.ledger.lock import RunLock, run_alive
+from launcher.ledger.prompts import read_prompts
+from launcher.ledger.store import Store
 
 
 def test_a_live_claim_is_respected_and_a_dead_one_taken_over(tmp_path):

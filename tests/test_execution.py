@@ -8,12 +8,12 @@ import torch
 from conftest import launch, max_diff
 from omegaconf import OmegaConf
 
-from launcher import dist as mdist
-from launcher import execution
-from launcher import launch as mlaunch
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.pipeline import place
+from launcher.host import launch as mlaunch
+from launcher.worker import dist as mdist
+from launcher.worker import execution
+from launcher.worker.pipeline import place
 
 
 def test_auto_device_prefers_tpu_then_cuda_then_cpu(monkeypatch):

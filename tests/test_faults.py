@@ -49,7 +49,7 @@ def workers_of(out: Path) -> list[psutil.Process]:
     procs = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "launcher.worker" in cmd and f"output.dir={out}" in cmd:
+        if "launcher.worker.main" in cmd and f"output.dir={out}" in cmd:
             procs.append(p)
     return procs
 

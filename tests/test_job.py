@@ -60,7 +60,7 @@ def test_batch_size_3_matches_1_within_2_levels(run_job):
 
 
 def test_the_tiny_model_is_deterministic(tiny_model, tmp_path):
-    from launcher.tiny_model import build_tiny_flux2
+    from launcher.models.flux2 import build_tiny as build_tiny_flux2
 
     again = build_tiny_flux2(tmp_path / "again")
     files = sorted(p.relative_to(tiny_model) for p in tiny_model.rglob("*") if p.is_file())

@@ -15,7 +15,7 @@ def test_dry_run_tiny():
     assert "export OMP_NUM_THREADS=1" in lines
     cmd = lines[-1].split()
     assert cmd[0] == "torchrun" and "--nproc-per-node=2" in cmd and "--standalone" in cmd
-    assert cmd[cmd.index("-m") + 1 :] == ["launcher.worker", "conf=tiny"]
+    assert cmd[cmd.index("-m") + 1 :] == ["launcher.worker.main", "conf=tiny"]
 
 
 def test_dry_run_flux2_tp_needs_no_torch_tpu():

@@ -5,9 +5,8 @@ from omegaconf import OmegaConf
 
 from jobs.text_to_image import make_batches
 from launcher.config import load_config
-from launcher.dist import ParallelDims
 from launcher.errors import ConfigError
-from launcher.shards import (
+from launcher.ledger.shards import (
     cut_shards,
     parse_selection,
     preference,
@@ -15,6 +14,7 @@ from launcher.shards import (
     sample_seed,
     settings_fingerprint,
 )
+from launcher.worker.dist import ParallelDims
 from launcher.workers import resolve_workers
 
 

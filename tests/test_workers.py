@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import LAUNCH, launch, read_rows, run_clean, slow_job
 
-from launcher.store import Store
+from launcher.ledger.store import Store
 
 N = 16  # prompts in shards of 2
 
@@ -134,9 +134,9 @@ class Flaky:
 
 
 def test_object_store_calls_are_tried_again_after_transient_errors(s3, monkeypatch):
-    import launcher.store
+    import launcher.ledger.store
 
-    monkeypatch.setattr(launcher.store, "RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(launcher.ledger.store, "RETRY_DELAY_S", 0.0)
     store = Store("s3://meshgen-test/flaky")
     real = store.fs
     store.fs = flaky = Flaky(real, 2)
@@ -147,6 +147,6 @@ def test_object_store_calls_are_tried_again_after_transient_errors(s3, monkeypat
     assert flaky.calls == {"open_output_stream": 3, "open_input_stream": 3, "get_file_info": 3, "delete_file": 3}
     assert store.read_json("a/x.json") is None
     assert flaky.calls["open_input_stream"] == 4  # a missing file is an answer, not an error to try again
-    store.fs = Flaky(real, launcher.store.RETRIES)  # failing more often than it is tried: the error is raised
+    store.fs = Flaky(real, launcher.ledger.store.RETRIES)  # failing more often than it is tried: the error is raised
     with pytest.raises(OSError, match="INTERNAL_FAILURE"):
         store.read_bytes("a/x.json")

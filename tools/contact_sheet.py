@@ -15,9 +15,9 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from launcher.card import open_run, shard_name, summarize, write_output
-from launcher.ledger import DATA_DIR, IMAGES_DIR
-from launcher.store import Store
+from launcher.host.card import open_run, shard_name, summarize, write_output
+from launcher.ledger.states import DATA_DIR, IMAGES_DIR
+from launcher.ledger.store import Store
 
 THUMB = 192  # each image is fitted into a THUMB x THUMB square
 PAD = 8

@@ -4,9 +4,9 @@
 #   tools/gpu_bench.sh fetch   here, where pip reaches PyPI: put the wheels that machine lacks into .whl/
 #                              (git-ignored through .git/info/exclude; about 33 MB)
 #   tools/gpu_bench.sh [run]   there, from the repo root, with .whl carried: install them into /tmp/site, then
-#                              1. tools/gpu_bench.py: FLUX.1 transformer s/step and MFU, eager and regional compile
-#                              2. tools/bench.py --device cuda: runner vs bare loop on the GPU, memory, writer
-#                              3. tools/gpu_bench.py --modes full (whole-model compile), if time is left
+#                              1. tools/bench/gpu.py: FLUX.1 transformer s/step and MFU, eager and regional compile
+#                              2. python -m tools.bench --device cuda: runner vs bare loop on the GPU, memory, writer
+#                              3. tools/bench/gpu.py --modes full (whole-model compile), if time is left
 #   tools/gpu_bench.sh dry     here, without a GPU: the same steps on the CPU at tiny sizes, with .venv's python
 #
 # With the device tool: run(command="bash tools/gpu_bench.sh", carry=[".whl"], timeout_s=600). It keeps within
@@ -65,11 +65,11 @@ run() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   fi
   export PYTHONUNBUFFERED=1
-  step "$(allow 200 300)" "$out/mfu.log" "$py" tools/gpu_bench.py "${mfu[@]}" --modes eager,regional \
+  step "$(allow 200 300)" "$out/mfu.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes eager,regional \
     --out "$out/mfu.json"
-  step "$(allow 280 20)" "$out/bench.log" "$py" tools/bench.py --device "$dev" "${bench[@]}" \
+  step "$(allow 280 20)" "$out/bench.log" "$py" -m tools.bench --device "$dev" "${bench[@]}" \
     --writer-processes 1,2,8 --writer-repeats 1 --workdir /tmp --out "$out/bench.json"
-  step "$(allow 300 5)" "$out/mfu_full.log" "$py" tools/gpu_bench.py "${mfu[@]}" --modes full \
+  step "$(allow 300 5)" "$out/mfu_full.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes full \
     --out "$out/mfu_full.json"
   echo "done in ${SECONDS}s; results in $out"
 }

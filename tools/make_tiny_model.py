@@ -3,7 +3,7 @@
 import argparse
 import logging
 
-from launcher.tiny_model import build_tiny_flux2
+from launcher.models.flux2 import build_tiny as build_tiny_flux2
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from contact_sheet import contact_sheet, png_bytes
 
-from launcher.card import open_run, summarize, write_output
+from launcher.host.card import open_run, summarize, write_output
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}

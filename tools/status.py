@@ -10,8 +10,8 @@ import json
 import shlex
 import sys
 
-from launcher.ledger import read_states
-from launcher.store import Store
+from launcher.ledger.states import read_states
+from launcher.ledger.store import Store
 
 
 def collect(out: str) -> dict:

@@ -1,4 +1,4 @@
-"""Entry of one torchrun worker process: `python -m launcher.worker conf=NAME [overrides]`."""
+"""Entry of one torchrun worker process: `python -m launcher.worker.main conf=NAME [overrides]`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def main() -> None:
 
     from launcher.config import load_config, split_args
     from launcher.errors import ConfigError, exit_with
-    from launcher.runner import run_worker
+    from launcher.worker.runner import run_worker
 
     @record  # torchrun then names the rank that failed first, with its traceback
     def run() -> int:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
+from launcher.models import family_of_folder
 
 
 def model_dir(path: str) -> Path:
@@ -58,8 +59,9 @@ def check_model(cfg) -> None:
     vae = _read(root / "vae" / "config.json")
     tr = _read(root / "transformer" / "config.json")
     if vae and "block_out_channels" in vae:
-        # Latents are patchified 2x2, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing).
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * max(int(tr.get("patch_size") or 1), 2)
+        # Latents are patchified, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing 2x2).
+        patch = max(int(tr.get("patch_size") or 1), family_of_folder(root).latent_patch)
+        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * patch
         for key in ("height", "width"):
             v = cfg.generate[key]
             if v % multiple:

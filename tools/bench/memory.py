@@ -3,7 +3,7 @@
 `bench_memory()` builds a pipeline folder (the tiny text encoder, VAE and tokenizer, with a transformer of a few
 hundred MB in its place), then runs this file under torchrun (2 CPU processes, gloo) once with tp=1 (dp=2: each
 rank holds a whole copy) and once with tp=2, each in fresh processes. Every rank loads the pipeline with
-`launcher.pipeline.load_pipeline`, as a worker does, and reports:
+`launcher.worker.pipeline.load_pipeline`, as a worker does, and reports:
 - RssAnon from /proc/self/status (private memory; safetensors files are memory-mapped, so file pages touched
   while loading show in RSS and VmHWM but are not private) after loading, and its growth over the loading;
 - the bytes of its local parameters and buffers per component (a DTensor counts its local shard only).
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_mid_model(out: Path, heads: int = 8, layers: int = 2, single_layers: int = 4) -> dict:
@@ -26,7 +26,7 @@ def build_mid_model(out: Path, heads: int = 8, layers: int = 2, single_layers: i
     import torch
     from diffusers import Flux2Transformer2DModel
 
-    from launcher.tiny_model import build_tiny_flux2
+    from launcher.models.flux2 import build_tiny as build_tiny_flux2
 
     build_tiny_flux2(out)
     torch.manual_seed(3)
@@ -90,7 +90,7 @@ def _preimport(model: str) -> None:
     from diffusers import TensorParallelConfig  # noqa: F401
     from transformers import DistributedConfig  # noqa: F401
 
-    from launcher.pipeline import component_classes
+    from launcher.worker.pipeline import component_classes
 
     getattr(diffusers, json.loads((Path(model) / "model_index.json").read_text())["_class_name"])
     for lib, name in component_classes(model).values():
@@ -112,8 +112,8 @@ def rank_main(model: str, tp: int, out: str) -> None:
     import torch.distributed as dist
 
     from launcher.config import load_config
-    from launcher.dist import ParallelDims
-    from launcher.pipeline import load_pipeline
+    from launcher.worker.dist import ParallelDims
+    from launcher.worker.pipeline import load_pipeline
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
-from launcher.execution import mode_env
-from launcher.summary import Progress, summarize
+from launcher.host.summary import Progress, summarize
+from launcher.worker.execution import mode_env
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
         "--max-restarts=0",
         "--monitor-interval=0.1",
         "-m",
-        "launcher.worker",
+        "launcher.worker.main",
         f"conf={conf}",
         *overrides,
     ]
@@ -91,10 +91,10 @@ def run_elastic(args: list[str]) -> int:
 
 
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
-    from launcher import ledger
-    from launcher.card import write_card
-    from launcher.lock import RunLock, other_live_runs
-    from launcher.store import Store
+    from launcher.host.card import write_card
+    from launcher.ledger import states as ledger
+    from launcher.ledger.lock import RunLock, other_live_runs
+    from launcher.ledger.store import Store
     from launcher.workers import resolve_workers
 
     if cfg.mesh.nodes > 1 and os.environ.get("NODE_RANK", "0") != "0":
@@ -159,7 +159,7 @@ def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
     try:  # torch_tpu before 0.2.0: the seed guide's internal wrapper
         from torch_tpu._internal.distributed.launchers import singlehost_wrapper  # noqa: F401
     except ImportError:
-        from launcher.dist import TPU_INSTALL_HINT
+        from launcher.worker.dist import TPU_INSTALL_HINT
 
         raise ConfigError(f"cannot set up the TPU launch environment: {TPU_INSTALL_HINT} (0.2.0 or newer)") from None
     raise ConfigError(
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        from launcher.checks import preflight
         from launcher.config import load_config, split_args
-        from launcher.dist import resolve_device
+        from launcher.host.checks import preflight
+        from launcher.worker.dist import resolve_device
 
         conf, overrides = split_args(argv)
         cfg = load_config(conf, overrides)
@@ -198,13 +198,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ensure_model(cfg) -> None:
-    """Build the project's own tiny model on first use (the only model that can be built rather than loaded)."""
+    """Build the project's own tiny model on first use (the only models that can be built rather than loaded)."""
     if cfg.model.build and not Path(cfg.model.path).exists():
-        if cfg.model.build != "tiny_flux2":
-            raise ConfigError(f"model.build={cfg.model.build!r} is unknown; the only builder is tiny_flux2")
-        from launcher.tiny_model import build_tiny_flux2
+        from launcher.models import build
 
-        build_tiny_flux2(cfg.model.path)
+        build(cfg.model.build, cfg.model.path)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Seconds per denoising step and MFU of a real-size FLUX.1 transformer on one CUDA GPU, eager and compiled.
 
-    python tools/gpu_bench.py [--out gpu_mfu.json] [--modes eager,regional,full] [--steps 10]
-    python tools/gpu_bench.py --dry-run     # a tiny config on the CPU: checks the script itself, no GPU needed
+    python -m tools.bench.gpu [--out gpu_mfu.json] [--modes eager,regional,full] [--steps 10]
+    python -m tools.bench.gpu --dry-run     # a tiny config on the CPU: checks the script itself, no GPU needed
 
 The transformer is FLUX.1-dev's (`FluxTransformer2DModel.from_config` with its config values: 19 double and 38
 single blocks, 24 heads x 128, joint_attention_dim 4096, pooled 768, in_channels 64, guidance embeddings) with

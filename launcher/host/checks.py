@@ -17,7 +17,7 @@ MODES = ("eager", "defer_and_fuse", "compile")
 
 
 def preflight(cfg) -> None:
-    from launcher.model_checks import check_model
+    from launcher.host.model_checks import check_model
 
     check_settings(cfg)
     check_mesh(cfg)
@@ -64,7 +64,7 @@ def check_mesh(cfg) -> None:
             f"execution.offload={cfg.execution.offload} cannot combine with mesh.tp={tp}: offload "
             "moves whole models between host and chip; use mesh.tp=1 or execution.offload=none"
         )
-    from launcher.dist import resolve_device
+    from launcher.worker.dist import resolve_device
 
     device = resolve_device(cfg.device)
     chips = local_chip_count(device)
@@ -83,7 +83,7 @@ def local_chip_count(device: str) -> int | None:
 
         return torch.cuda.device_count()  # NVML: counts without creating a CUDA context in the launcher
     if device == "tpu":
-        from launcher.dist import tpu_chip_count
+        from launcher.worker.dist import tpu_chip_count
 
         return tpu_chip_count() or None
     return None

@@ -1,8 +1,13 @@
-"""A tiny random-weight FLUX.2 pipeline, built offline and deterministically.
+"""FLUX.2 (`Flux2Pipeline`: Mistral3 text encoder, Flux2 transformer): what the runner knows of it, and its tiny
+random-weight pipeline.
 
-The real checkpoints cannot be downloaded here, so tests and the demo run on this: the same classes and the
-same loading path as FLUX.2-dev, with layer sizes small enough to run on two CPU cores. Every random draw is
-seeded, so two builds give identical weights and hence identical images.
+- Both parts have tensor-parallel plans (diffusers' `_tp_plan` on the transformer, transformers' on Mistral).
+- The prompt is wrapped in a chat template with a ~170-token system message, which counts towards
+  `max_sequence_length`; truncation counts tokenize it the same way.
+- `text_encoder_out_layers` must be a tuple (YAML gives a list).
+- The tiny pipeline: the real checkpoints cannot be downloaded here, so tests and the demo run on the same
+  classes and loading path as FLUX.2-dev with layer sizes small enough for two CPU cores. Every random draw is
+  seeded, so two builds give identical weights and hence identical images.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from launcher.models import Family
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ def _tokenizer():
     return tok, len(vocab)
 
 
-def build_tiny_flux2(out_dir: str | os.PathLike) -> Path:
+def build_tiny(out_dir: str | os.PathLike) -> Path:
     """Write the tiny pipeline to `out_dir` (atomically: a half-built folder never appears there)."""
     import torch
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
@@ -117,3 +124,26 @@ def build_tiny_flux2(out_dir: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("built the tiny FLUX.2 pipeline in %s", out)
     return out
+
+
+def _token_ids(pipe, prompts: list[str]) -> list[list[int]]:
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    return pipe.tokenizer.apply_chat_template(format_input(prompts), tokenize=True, return_dict=True)["input_ids"]
+
+
+def _call_kwargs(kwargs: dict) -> dict:
+    if "text_encoder_out_layers" in kwargs:
+        kwargs["text_encoder_out_layers"] = tuple(kwargs["text_encoder_out_layers"])
+    return kwargs
+
+
+FAMILY = Family(
+    "flux2",
+    pipelines=("Flux2Pipeline",),
+    tp_transformer=True,
+    repeated_blocks=True,
+    token_ids=_token_ids,
+    call_kwargs=_call_kwargs,
+    build_tiny=build_tiny,
+)

@@ -1,4 +1,4 @@
-"""The bare diffusers loop that the runner is measured against: `python tools/bench_bare.py OVERRIDE ... --out F`.
+"""The bare diffusers loop that the runner is measured against: `python tools/bench/bare.py OVERRIDE ... --out F`.
 
 It composes the same job config as the runner (conf `tiny` plus the same overrides), loads the pipeline with plain
 `DiffusionPipeline.from_pretrained`, and calls `pipe()` once per prompt with a per-sample CPU generator seeded
@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers import DiffusionPipeline
 
     from launcher.config import load_config
-    from launcher.dataset import read_prompts
-    from launcher.dist import resolve_device
-    from launcher.pipeline import DTYPES
-    from launcher.shards import row_seed
+    from launcher.ledger.prompts import read_prompts
+    from launcher.ledger.shards import row_seed
+    from launcher.worker.dist import resolve_device
+    from launcher.worker.pipeline import DTYPES
 
     cfg = load_config("tiny", args.overrides)
     gen = cfg.generate

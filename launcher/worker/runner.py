@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from jobs.text_to_image import count_truncated, make_batches, run_batch
-from launcher import ledger
-from launcher.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
-from launcher.claims import Claims
-from launcher.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
-from launcher.execution import CompileStats, apply_compile, cache_hits
-from launcher.pipeline import load_pipeline
-from launcher.shards import Shard, preference
-from launcher.store import Store
-from launcher.timing import StageTimer
+from launcher.ledger import states as ledger
+from launcher.ledger.claims import Claims
+from launcher.ledger.shards import Shard, preference
+from launcher.ledger.store import Store
+from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
+from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
+from launcher.worker.execution import CompileStats, apply_compile, cache_hits
+from launcher.worker.pipeline import load_pipeline
+from launcher.worker.timing import StageTimer
 from launcher.workers import resolve_workers
 
 logger = logging.getLogger(__name__)

@@ -69,7 +69,7 @@ def read_prompts(
 
 def _check_file_names(rows: list[dict], path: str) -> None:
     """Two ids that differ only in characters a file name cannot hold would overwrite each other's PNG."""
-    from launcher.shards import file_stem
+    from launcher.ledger.shards import file_stem
 
     seen: dict[str, str] = {}
     for r in rows:

@@ -87,7 +87,7 @@ def preference(selected: list[int], slot: int, slots: int) -> list[int]:
     """The order in which one dp group (slot `slot` of `slots` = workers x dp) tries the selected shards.
 
     Its own share first (every `slots`-th of them, so the slots split any selection evenly), then the others,
-    which it generates only when their own slot has not claimed them (launcher/claims.py).
+    which it generates only when their own slot has not claimed them (launcher/ledger/claims.py).
     """
     own = selected[slot::slots]
     mine = set(own)

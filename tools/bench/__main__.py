@@ -1,9 +1,9 @@
-"""Benchmarks, side by side in one run: `python tools/bench.py [--parts runner,memory,writer] [--out bench.json]`.
+"""Benchmarks, side by side in one run: `python -m tools.bench [--parts runner,memory,writer] [--out bench.json]`.
 
 Prints a table and writes every number as JSON (default bench.json). Parts (each its own module, importable):
 
-- runner (tools/bench_runner.py): the runner (`./launch.sh`, tp=1, writing PNG and Parquet) against a bare
-  diffusers loop (`pipe()` per prompt with per-sample generators, nothing written; tools/bench_bare.py), on the
+- runner (tools/bench/runner.py): the runner (`./launch.sh`, tp=1, writing PNG and Parquet) against a bare
+  diffusers loop (`pipe()` per prompt with per-sample generators, nothing written; tools/bench/bare.py), on the
   tiny FLUX.2 model, same prompts, seeds, settings and threads. `s/image` is the marginal time per image after
   warm-up (the first shard's images); `ratio` is runner over bare (target <= 1.05). `writes ratio` compares the
   runner with writes against the same job with every output off (state files only); `writer wait share` is
@@ -11,11 +11,11 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
   to the first image (the bare loop) or to the first shard's state file (a one-prompt runner job); `runner
   one-image job` is that job's whole wall time, shut-down included. `same images` checks that the runner's PNGs
   equal the bare loop's images bit for bit. Median and min-max over `--repeats` repeats.
-- memory (tools/bench_memory.py): private memory per rank at tp=1 and tp=2 (2 CPU processes) on a mid-size
+- memory (tools/bench/memory.py): private memory per rank at tp=1 and tp=2 (2 CPU processes) on a mid-size
   random-weight FLUX.2 transformer the script builds (~130M parameters, 520 MB float32). `weights private` is
   the rank's private memory (RssAnon plus its local parameters that are file-mapped) less its baseline before
   loading; the ratio tp=2 / tp=1 has a target of <= 0.6.
-- writer (tools/bench_writer.py): PNG encoding throughput for photographic-like 1024x1024 images through a
+- writer (tools/bench/writer.py): PNG encoding throughput for photographic-like 1024x1024 images through a
   spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL, levels
   1 and 6 (targets: >= 6 images/s per process for the default imagecodecs level 1, >= 1.8x that with 2).
 
@@ -35,10 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_memory import bench_memory
-from bench_runner import bench_runner
-from bench_table import format_table
-from bench_writer import bench_writer
+from tools.bench.memory import bench_memory
+from tools.bench.runner import bench_runner
+from tools.bench.table import format_table
+from tools.bench.writer import bench_writer
 
 PARTS = ("runner", "memory", "writer")
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
         if "runner" in args.parts:
             model = args.model
             if model is None:
-                from launcher.tiny_model import build_tiny_flux2
+                from launcher.models.flux2 import build_tiny as build_tiny_flux2
 
                 model = str(build_tiny_flux2(Path(tmp) / "tiny-flux2"))
             result["runner"] = bench_runner(

@@ -22,7 +22,7 @@ import threading
 import time
 
 from launcher.errors import LockHeld
-from launcher.store import Store
+from launcher.ledger.store import Store
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 10

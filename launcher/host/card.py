@@ -1,4 +1,4 @@
-"""What a run folder says about itself, and its dataset card: `python -m launcher.card OUTPUT_DIR`.
+"""What a run folder says about itself, and its dataset card: `python -m launcher.host.card OUTPUT_DIR`.
 
 Everything here reads only the run folder (run.json, state/, data/), through a `Store`, so the card and the
 inspection tools (tools/contact_sheet.py, tools/report.py) work during a run, after it, or on a copy. The card is
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from launcher.ledger import DATA_DIR, STATE_DIR, read_states
-from launcher.store import Store
+from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
+from launcher.ledger.store import Store
 
 
 def open_run(out: str | Path | Store) -> Store:
@@ -104,7 +104,7 @@ def hf_features(run: Store, first_file: str) -> list[dict]:
     if b"huggingface" in raw:
         features = json.loads(raw[b"huggingface"])["info"]["features"]
     else:  # a file written without the metadata: the writer's own declaration
-        from launcher.writer import _HF_FEATURES as features
+        from launcher.worker.writer import _HF_FEATURES as features
     return [{"name": k, "dtype": f.get("dtype", f["_type"].lower())} for k, f in features.items()]
 
 

@@ -115,7 +115,7 @@ def release_freed_heap() -> None:
     """Give the heap that sharded loading freed back to the system.
 
     Each rank reads whole tensors and keeps its slices; glibc keeps the freed rest in the process. Measured by
-    tools/bench.py on a 520 MB transformer at tp=2: 70-100 MB per rank, so the weights' private memory was
+    tools/bench on a 520 MB transformer at tp=2: 70-100 MB per rank, so the weights' private memory was
     0.73-0.78x of tp=1's instead of 0.59x. Elsewhere than glibc there is nothing to do.
     """
     import ctypes

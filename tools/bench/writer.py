@@ -3,8 +3,8 @@
 Flat or purely synthetic images compress an order of magnitude faster than photographs and mislead, so the
 images are photographic-like: hard-edged objects softened by a lens blur, shading and texture at several
 scales, and sensor noise (about 1.9 MB each as PNG at level 1, like a real 1024x1024 photograph). They go
-through the runner's own encoding function (`launcher.writer.encode_png`) in a spawned process pool chunked the
-way the writer process (`launcher.bgwriter._write_files`) chunks a shard, with 1 and 2 processes, for each
+through the runner's own encoding function (`launcher.worker.writer.encode_png`) in a spawned process pool chunked the
+way the writer process (`launcher.worker.bgwriter._write_files`) chunks a shard, with 1 and 2 processes, for each
 encoder and level.
 The pool is started and warmed before timing: its start-up is paid once per run, while the model loads.
 """
@@ -42,13 +42,13 @@ def photo_like(size: int = 1024, seed: int = 0) -> np.ndarray:
 
 
 def _encode(item: tuple[np.ndarray, str, int]) -> int:
-    from launcher.writer import encode_png
+    from launcher.worker.writer import encode_png
 
     return len(encode_png(*item))
 
 
 def _warm(_: int) -> int:
-    import launcher.writer  # noqa: F401  (the import is what a worker's first task pays)
+    import launcher.worker.writer  # noqa: F401  (the import is what a worker's first task pays)
 
     return 0
 

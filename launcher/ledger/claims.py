@@ -3,15 +3,15 @@
 Any worker may generate any selected shard; the modulo split (shard i to worker i % count) is only the order in
 which each worker tries them, so workers that start together rarely contend, and a rerun with a few shards left
 is shared by all workers instead of falling to the one that owned them. To generate shard i, a dp group's first
-rank creates `claims/shard-<i>/g<N>.json` with an atomic create-if-absent (launcher/store.py), where N is one
+rank creates `claims/shard-<i>/g<N>.json` with an atomic create-if-absent (launcher/ledger/store.py), where N is one
 more than the newest claim there:
 - no claim yet: create g0;
-- the newest claim's run still holds its worker lock (launcher/lock.py): the shard is taken, skip it;
+- the newest claim's run still holds its worker lock (launcher/ledger/lock.py): the shard is taken, skip it;
 - its run is dead (killed, preempted): create the next generation; of two workers taking over at once only one
   creation succeeds, so no claim is ever deleted to be replaced.
 Having won a claim, the worker reads the shard's state again: finished since this run started means another
 worker got there first. After writing the shard's state, its owner deletes its claim and the dead generations
-below it. A worker's run is alive while it holds its lock: see launcher/lock.py.
+below it. A worker's run is alive while it holds its lock: see launcher/ledger/lock.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import json
 import socket
 import time
 
-from launcher.ledger import CLAIMS_DIR, read_state
-from launcher.lock import run_alive
-from launcher.store import Store
+from launcher.ledger.lock import run_alive
+from launcher.ledger.states import CLAIMS_DIR, read_state
+from launcher.ledger.store import Store
 
 
 class Claims:

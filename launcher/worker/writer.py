@@ -9,9 +9,9 @@ import tarfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from launcher.ledger import DATA_DIR, IMAGES_DIR, WDS_DIR
-from launcher.shards import file_stem
-from launcher.store import Store
+from launcher.ledger.shards import file_stem
+from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
+from launcher.ledger.store import Store
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema
 # metadata below says so.
@@ -61,7 +61,7 @@ def encode_png(pixels, encoder: str = "imagecodecs", level: int = 1) -> bytes:
 def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> None:
     """Write a shard's files. `samples` hold the row fields of SCHEMA, with `png` holding the encoded image.
 
-    Each file appears whole or not at all (launcher/store.py). The caller writes the state file after this.
+    Each file appears whole or not at all (launcher/ledger/store.py). The caller writes the state file after this.
     """
     if output_cfg.png:
         store.put_folder(f"{IMAGES_DIR}/{shard_name}", {f"{file_stem(s['id'])}.png": s["png"] for s in samples})

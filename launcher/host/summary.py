@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from launcher import ledger
-from launcher.shards import Shard
-from launcher.store import Store
+from launcher.ledger import states as ledger
+from launcher.ledger.shards import Shard
+from launcher.ledger.store import Store
 
 
 class Progress:
@@ -68,7 +68,7 @@ class Progress:
 
 def code_version() -> str | None:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         return (
             subprocess.run(
                 ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=5

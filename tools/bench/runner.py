@@ -8,7 +8,7 @@ sides of each ratio:
 - `runner`: `./launch.sh` with PNG and Parquet outputs, N prompts, shards of `shard_size`;
 - `runner_nowrite`: the same with no output (`output.png/parquet/webdataset=false`: state files only);
 - `runner_first`: the same job with one prompt, for the time to the first image on disk;
-- `bare`: tools/bench_bare.py, `pipe()` per prompt with per-sample generators, nothing written.
+- `bare`: tools/bench/bare.py, `pipe()` per prompt with per-sample generators, nothing written.
 
 Marginal seconds per image, after warm-up: for the runner, each shard's generation time (the state file's
 `seconds` plus `writer_wait`, the time generation waited for the writer) over its images; for the bare loop, the
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("runner_first", "runner_nowrite", "runner", "bare")
 
 
@@ -92,7 +92,7 @@ def run_runner(overrides: list[str], out: Path, shard_size: int, env: dict, writ
 
 def run_bare(overrides: list[str], out_json: Path, env: dict) -> dict:
     t0 = time.time()
-    cmd = [sys.executable, str(REPO / "tools" / "bench_bare.py"), *overrides, "--out", str(out_json)]
+    cmd = [sys.executable, "-m", "tools.bench.bare", *overrides, "--out", str(out_json)]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"bare loop exited {res.returncode}:\n{res.stderr[-3000:]}")

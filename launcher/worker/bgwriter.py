@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import OmegaConf
 
-from launcher import ledger
 from launcher.errors import die_with_parent
-from launcher.store import Store
-from launcher.writer import delete_shard_files, encode_png, warm_up, write_shard
+from launcher.ledger import states as ledger
+from launcher.ledger.store import Store
+from launcher.worker.writer import delete_shard_files, encode_png, warm_up, write_shard
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,72 @@
+"""What the runner must know of each model family, one module per family (the family's plan as data).
+
+Generic code asks `family_of(...)` instead of testing class names: which pipelines a family covers, how its
+latents are patchified (the size multiple), what it supports (a tensor-parallel plan, repeated blocks, CFG),
+its call's quirks, how its pipeline tokenizes a prompt (for truncation counts), and how to build its tiny
+random-weight pipeline for tests. A pipeline no module claims gets the generic defaults below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILY_MODULES = ("flux2",)  # launcher/models/<name>.py, each defining FAMILY
+
+
+def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:
+    """Token ids as the pipeline's last tokenizer sees them: max_sequence_length applies to it (T5 beside CLIP,
+    whose tokenizers always stop at 77)."""
+    names = ("tokenizer_3", "tokenizer_2", "tokenizer")
+    tokenizer = next((t for t in (getattr(pipe, n, None) for n in names) if t is not None), None)
+    return None if tokenizer is None else tokenizer(prompts)["input_ids"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipelines: tuple[str, ...] = ()  # diffusers pipeline class names (model_index.json's _class_name)
+    latent_patch: int = 2  # latents are patchified 2x2 (by the transformer or by the pipeline's packing)
+    tp_transformer: bool = False  # diffusers has a tensor-parallel plan for its transformer
+    repeated_blocks: bool = False  # its transformer defines _repeated_blocks (compile_repeated_blocks works)
+    uses_cfg: bool = False  # classifier-free guidance: negative prompts matter
+    # (pipe, prompts) -> token ids as the pipeline encodes them, or None; the tokenizer's max length is lifted
+    token_ids: Callable = _last_tokenizer_ids
+    call_kwargs: Callable[[dict], dict] = lambda kwargs: kwargs  # the call's quirks, applied to its kwargs
+    build_tiny: Callable | None = None  # (out_dir) -> Path: its tiny random-weight pipeline
+
+
+GENERIC = Family("generic")
+
+
+def families() -> list[Family]:
+    return [importlib.import_module(f"launcher.models.{m}").FAMILY for m in FAMILY_MODULES]
+
+
+def family_of(pipeline_class: str) -> Family:
+    return next((f for f in families() if pipeline_class in f.pipelines), GENERIC)
+
+
+def family_of_folder(root: Path) -> Family:
+    """The family of a pipeline folder, from its model_index.json (no weights read)."""
+    try:
+        return family_of(json.loads((Path(root) / "model_index.json").read_text()).get("_class_name", ""))
+    except (OSError, ValueError):
+        return GENERIC
+
+
+def builders() -> dict[str, Family]:
+    """`model.build` names: tiny_<family> for each family that can build its tiny pipeline."""
+    return {f"tiny_{f.name}": f for f in families() if f.build_tiny}
+
+
+def build(name: str, out_dir) -> Path:
+    from launcher.errors import ConfigError
+
+    fam = builders().get(name)
+    if fam is None:
+        raise ConfigError(f"model.build={name!r} is unknown; builders: {', '.join(sorted(builders()))}")
+    return fam.build_tiny(out_dir)

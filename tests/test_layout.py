@@ -1,0 +1,42 @@
+"""The folder layout is the architecture: imports run one way between the rooms of launcher/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "launcher"
+# room -> rooms it must never import (the root's shared modules and launcher/models are open to all)
+FORBIDDEN = {"ledger": ("host", "worker"), "worker": ("host",), "models": ("host", "worker", "ledger")}
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_imports_run_one_way(room):
+    bad = [
+        f"{p.relative_to(LAUNCHER.parent)} imports {m}"
+        for p in sorted((LAUNCHER / room).rglob("*.py"))
+        for m in sorted(_imports(p))
+        if any(m == f"launcher.{f}" or m.startswith(f"launcher.{f}.") for f in FORBIDDEN[room])
+    ]
+    assert not bad, bad
+
+
+def test_every_family_module_declares_its_family():
+    from launcher.models import FAMILY_MODULES, families
+
+    on_disk = sorted(p.stem for p in (LAUNCHER / "models").glob("*.py") if p.stem != "__init__")
+    assert sorted(FAMILY_MODULES) == on_disk
+    assert all(f.pipelines for f in families())
