@@ -92,11 +92,14 @@ def max_diff(a: Path, b: Path) -> int:
 def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
     """The run folder's data, images, state files and run.json, with their bytes and mtimes.
 
-    Left out: locks, and what every run rewrites on purpose (runs.jsonl, the dataset card)."""
+    Left out: locks, and what runs write on purpose (run records, the dataset card, the ledger's index, a cache
+    of the state files)."""
     return {
         str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns)
         for p in sorted(out.rglob("*"))
-        if p.is_file() and (p.parts[len(out.parts)] in ("data", "images", "state") or p.name == "run.json")
+        if p.is_file()
+        and (p.parts[len(out.parts)] in ("data", "images", "state") or p.name == "run.json")
+        and p.name != "index.json.gz"
     }
 
 

@@ -92,9 +92,9 @@ def test_a_run_with_overrides_and_webdataset(tiny_model, tmp_path):
 
     samples = list(wds.WebDataset(str(out / "webdataset" / "shard-00000.tar"), shardshuffle=False))
     assert [s["__key__"] for s in samples] == ["0", "1", "2", "3"]
-    # The end-of-run summary, and its record in runs.jsonl.
+    # The end-of-run summary, and the run's own record in runs/.
     assert "shards: 1 done, 0 failed, 0 pending" in res.stderr and "this run: 4 images" in res.stderr
-    [record] = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    [record] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
     assert (record["done"], record["images"], record["exit_code"]) == (1, 4, 0)
     assert record["truncated_prompts"] == 2
     assert "2 prompts were longer than generate.max_sequence_length and were truncated" in res.stderr

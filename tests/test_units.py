@@ -7,7 +7,6 @@ from jobs.text_to_image import make_batches
 from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.ledger.shards import (
-    cut_shards,
     parse_selection,
     preference,
     row_seed,
@@ -48,11 +47,19 @@ def test_seeds_depend_on_seed_and_id_only():
     assert row_seed({"id": "a"}, 5) == sample_seed(5, "a")
 
 
-def test_shards_are_cut_on_stable_row_boundaries():
-    rows = [{"id": str(i), "prompt": f"p{i}"} for i in range(10)]
-    a, b = cut_shards(rows[:7], 4), cut_shards(rows, 4)
-    assert [len(s.rows) for s in b] == [4, 4, 2]
-    assert a[0].fingerprint == b[0].fingerprint and a[1].fingerprint != b[1].fingerprint
+def test_shards_are_cut_on_stable_row_boundaries(tmp_path):
+    from launcher.ledger.plan import shard_tables
+    from launcher.ledger.prompts import Source
+    from launcher.ledger.shards import prompts_fingerprint
+
+    (tmp_path / "a.txt").write_text("".join(f"p{i}\n" for i in range(7)))
+    (tmp_path / "b.txt").write_text("".join(f"p{i}\n" for i in range(10)))
+    a, b = (
+        [(t.num_rows, prompts_fingerprint(t)) for _, t, _ in shard_tables(Source(str(tmp_path / f)), 4, None)]
+        for f in ("a.txt", "b.txt")
+    )
+    assert [n for n, _ in b] == [4, 4, 2]
+    assert a[0][1] == b[0][1] and a[1][1] != b[1][1]
 
 
 def test_batches_are_padded_and_bucketed_by_shape():

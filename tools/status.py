@@ -1,6 +1,7 @@
 """Per-shard status of a run folder: `python tools/status.py OUTPUT_DIR [--json]`.
 
-Reads only the run folder (run.json and state/), so it works while a run is going, after it, or on a copy.
+Reads only the run folder (run.json, the newest run record, and state/ through its index: one listing of
+state/ plus reads of what the index does not know), so it works while a run is going, after it, or on a copy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import shlex
 import sys
 
+from launcher.ledger.runs import latest_record
 from launcher.ledger.states import read_states
 from launcher.ledger.store import Store
 
@@ -21,13 +23,14 @@ def collect(out: str) -> dict:
         raise SystemExit(f"error: {out} has no run.json; is it a meshgen output folder?")
     shards, errors = {}, {}
     states = read_states(store)
-    for i in range(run["shards"]):
+    last = latest_record(store) or {}
+    for i in range(max(run["shards"], last.get("shards", 0))):
         st = states.get(i, {})
         shards[str(i)] = st.get("status", "pending")
         if shards[str(i)] == "failed":
             errors[str(i)] = st.get("error", "")
     counts = {k: sum(v == k for v in shards.values()) for k in ("done", "failed", "pending")}
-    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"], "command": run.get("command")}
+    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"], "command": last.get("command")}
 
 
 def rerun_command(out: str, info: dict) -> str:

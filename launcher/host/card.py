@@ -38,13 +38,14 @@ def stage_seconds(state: dict) -> dict[str, float]:
     return {}
 
 
-def summarize(run: Store) -> dict:
-    """The run's config, per-shard outcomes and totals, from run.json and the state files."""
+def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
+    """The run's config, per-shard outcomes and totals, from run.json and the state files (or the states given:
+    the launcher passes what its ledger already holds)."""
     meta = run.read_json("run.json")
     if meta is None:
         raise FileNotFoundError(f"{run.root} has no run.json; is it a meshgen output folder?")
     mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
-    states = read_states(run)
+    states = read_states(run) if states is None else states
     shards, from_mtime = [], False
     for index in range(meta["shards"]):
         name = f"{shard_name(index)}.json"
@@ -94,7 +95,8 @@ def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], int]:
     done = {f"{shard_name(s['index'])}.parquet" for s in summary["shards"] if s["status"] == "done"}
     present = [f"{DATA_DIR}/{i.base_name}" for i in run.files(DATA_DIR, ".parquet")]
     files = [f for f in present if f.split("/")[-1] in done]
-    rows = sum(run.parquet(f).metadata.num_rows for f in files)
+    # A done shard's state counts its rows: no request per Parquet file.
+    rows = sum(s["rows"] or 0 for s in summary["shards"] if s["status"] == "done")
     return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, rows
 
 
@@ -140,8 +142,8 @@ def front_matter(run: Store, summary: dict) -> dict:
     return front
 
 
-def card_text(run: Store) -> str:
-    summary = summarize(run)
+def card_text(run: Store, states: dict[int, dict] | None = None) -> str:
+    summary = summarize(run, states)
     meta, counts, cfg = summary["meta"], summary["counts"], summary["meta"]["config"]
     model = cfg["model"]
     incomplete = (
@@ -184,10 +186,10 @@ Versions: {", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())}
     return f"---\n{yaml_text}---\n\n{body}"
 
 
-def write_card(out: str | Path | Store) -> str:
+def write_card(out: str | Path | Store, states: dict[int, dict] | None = None) -> str:
     """Write OUTPUT_DIR/README.md (the dataset card) atomically; return its path."""
     run = open_run(out)
-    text = card_text(run).encode()
+    text = card_text(run, states).encode()
     if run.read_bytes("README.md") != text:  # a rerun with nothing new leaves the folder untouched
         run.write_bytes("README.md", text)
     return run.path("README.md")

@@ -8,7 +8,6 @@ worker, and it can map the outcome to the contract's exit codes (torchrun itself
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -18,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+from launcher.errors import EXIT_OK, ConfigError, LockHeld
 from launcher.host.summary import Progress, summarize
 from launcher.worker.execution import mode_env
 
@@ -92,20 +91,24 @@ def run_elastic(args: list[str]) -> int:
 
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.card import write_card
-    from launcher.ledger import states as ledger
+    from launcher.host.model_checks import size_rule
+    from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
+    from launcher.ledger.plan import make_plan, plan_rel, write_plan_file
+    from launcher.ledger.states import Ledger, clean_tmp
     from launcher.ledger.store import Store
     from launcher.workers import resolve_workers
 
     if cfg.mesh.nodes > 1 and os.environ.get("NODE_RANK", "0") != "0":
-        # One job over several hosts: the first host's launcher keeps the books (lock, run.json, summary);
+        # One job over several hosts: the first host's launcher keeps the books (lock, plan, records, summary);
         # the others only run their workers.
         os.environ.update(plan_.env)
         return run_elastic(plan_.torchrun_args)
-    store = Store(cfg.output.dir)
+    store, sizes = Store(cfg.output.dir), size_rule(cfg)
     if not cfg.run.overwrite:
-        ledger.check_run_json(store, cfg)
-    shards, selected, stale = ledger.plan(cfg)  # validates the selection before anything is written
+        runs.check_run_json(store, cfg)
+    ledger = Ledger(store)
+    plan = make_plan(cfg, ledger.refresh(), sizes)  # validates the source and the selection before any write
     index, _ = resolve_workers(cfg)
     start = time.time()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -117,32 +120,38 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                     f"run.overwrite would discard the work of live worker {others[0]['worker']} "
                     f"(host {others[0]['host']}, pid {others[0]['pid']}); wait for it or stop it first"
                 )
-            ledger.discard_outputs(store)
-            shards, selected, stale = ledger.plan(cfg)
-        ledger.check_run_json(store, cfg)
+            runs.discard_outputs(store)
+            ledger = Ledger(store)
+            plan = make_plan(cfg, ledger.refresh(), sizes)
+        runs.check_run_json(store, cfg)
         rerun = [
             "./launch.sh",
             f"conf={conf}",
             *(o for o in overrides if not o.startswith(("run.shards=", "run.overwrite="))),
         ]
-        ledger.write_run_json(store, cfg, shards, rerun)
-        ledger.clean_tmp(store)
-        if stale and cfg.run.stale == "keep":
-            logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", stale)
+        runs.write_run_json(store, cfg, len(plan.shards))
+        ledger.save_index()
+        clean_tmp(store)
+        if plan.stale and cfg.run.stale == "keep":
+            logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
         code = EXIT_OK
-        if selected:
-            samples = sum(len(shards[i].rows) for i in selected)
-            logger.info("generating %d shards (%d samples) into %s", len(selected), samples, store)
+        if plan.selected:
+            samples = plan.samples(plan.selected)
+            logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
+            write_plan_file(store, plan_rel(run_id), cfg, plan, sizes)
             os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
-            with Progress(store, samples, run_id):
-                code = run_elastic(plan_.torchrun_args)
+            try:
+                with Progress(ledger, samples, run_id):
+                    code = run_elastic(plan_.torchrun_args)
+            finally:
+                store.delete(plan_rel(run_id))
         else:
             logger.info("nothing to do: every selected shard of %s is done", store)
-        lines, record = summarize(store, shards, run_id, start, code, rerun)
-        if code == EXIT_OK and record["failed_now"]:
-            code = record["exit_code"] = EXIT_SHARDS_FAILED
-        store.append_line("runs.jsonl", json.dumps(record))
-        write_card(store)
+        lines, record = summarize(store, ledger, plan, run_id, start, code, rerun)
+        code = record["exit_code"]
+        runs.write_record(store, record)
+        ledger.save_index()
+        write_card(store, ledger.states)
     for line in lines:
         logger.info(line)
     return code

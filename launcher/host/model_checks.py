@@ -56,19 +56,42 @@ def check_model(cfg) -> None:
             ("text_encoder", te_keys, cfg.model.shard_text_encoder),
         ):
             _check_heads(root / part / "config.json", cfg.mesh.tp, part.replace("_", " "), keys, sharded)
+    multiple = size_multiple(root)
+    for key in ("height", "width"):
+        v = cfg.generate[key]
+        if multiple and v % multiple:
+            raise ConfigError(
+                f"generate.{key}={v} is not a multiple of {multiple} (VAE scale factor x "
+                f"patch size for this model); use e.g. {max(multiple, v // multiple * multiple)}"
+            )
+    rule = size_rule(cfg)
+    if cfg.generate.height * cfg.generate.width > rule.max_pixels:
+        raise ConfigError(
+            f"generate.height x generate.width = {cfg.generate.height}x{cfg.generate.width} is more than the "
+            f"{rule.max_pixels / 2**20:.1f} megapixels this model family allows; use a smaller size"
+        )
+
+
+def size_multiple(root: Path) -> int | None:
+    """What image sizes must be a multiple of: the VAE's scale factor times the latent patch size."""
     vae = _read(root / "vae" / "config.json")
     tr = _read(root / "transformer" / "config.json")
-    if vae and "block_out_channels" in vae:
-        # Latents are patchified, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing 2x2).
-        patch = max(int(tr.get("patch_size") or 1), family_of_folder(root).latent_patch)
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * patch
-        for key in ("height", "width"):
-            v = cfg.generate[key]
-            if v % multiple:
-                raise ConfigError(
-                    f"generate.{key}={v} is not a multiple of {multiple} (VAE scale factor x "
-                    f"patch size for this model); use e.g. {max(multiple, v // multiple * multiple)}"
-                )
+    if not (vae and "block_out_channels" in vae):
+        return None
+    # Latents are patchified, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing 2x2).
+    patch = max(int(tr.get("patch_size") or 1), family_of_folder(root).latent_patch)
+    return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+
+
+def size_rule(cfg):
+    """The checks of per-row sizes (launcher/ledger/prompts.py), from the model's configs."""
+    from launcher.ledger.prompts import SizeRule
+
+    root = model_dir(cfg.model.path)
+    fam = family_of_folder(root)
+    return SizeRule(
+        size_multiple(root) or 1, getattr(fam, "max_pixels", 4 * 2**20), cfg.generate.height, cfg.generate.width
+    )
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")

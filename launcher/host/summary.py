@@ -1,4 +1,4 @@
-"""What a run tells its user: a progress bar while it runs, and a summary (and runs.jsonl record) at the end.
+"""What a run tells its user: a progress bar while it runs, and a summary (and the run's record) at the end.
 
 Both read only the run folder's state files, like tools/status.py: the launcher, not a worker, shows the bar
 for the whole run (all dp replicas), and the workers stay quiet. A shard belongs to this run when its state
@@ -7,6 +7,7 @@ file carries this run's id.
 
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
 import sys
@@ -16,17 +17,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from launcher.ledger import states as ledger
-from launcher.ledger.shards import Shard
+from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
+from launcher.ledger.claims import held_elsewhere
+from launcher.ledger.plan import Plan
+from launcher.ledger.runs import versions
+from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
+
+logger = logging.getLogger(__name__)
 
 
 class Progress:
-    """A tqdm bar over the run's samples, fed by polling the state files every few seconds."""
+    """A tqdm bar over the run's samples, fed by refreshing the ledger every few seconds (one listing each)."""
 
-    def __init__(self, store: Store, total: int, run_id: str):
-        self.store, self.run_id = store, run_id
-        self._seen: dict[str, tuple] = {}  # state file name -> ((name, mtime), state)
+    def __init__(self, ledger: Ledger, total: int, run_id: str):
+        self.ledger, self.run_id = ledger, run_id
         self._stop = threading.Event()
         interactive = sys.stderr.isatty()
         self._bar = tqdm(
@@ -37,7 +42,7 @@ class Progress:
             mininterval=1 if interactive else 30,
             smoothing=0.1,
         )
-        self._every = 1.0 if store.is_local else 10.0  # listing an object store costs requests
+        self._every = 1.0 if ledger.store.is_local else 10.0  # listing an object store costs requests
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def __enter__(self):
@@ -52,15 +57,13 @@ class Progress:
 
     def _poll(self) -> None:
         while not self._stop.wait(self._every):
-            self._update()
+            try:
+                self._update()
+            except OSError as e:  # a store that does not answer for a moment: the bar waits, the run goes on
+                logger.debug("progress: %s", e)
 
     def _update(self) -> None:
-        # One listing per poll; a state file is read again only when it changed (a shard may be redone).
-        for info in self.store.files(ledger.STATE_DIR, ".json"):
-            key = (info.base_name, info.mtime_ns)
-            if self._seen.get(info.base_name, (None,))[0] != key:
-                self._seen[info.base_name] = (key, self.store.read_json(f"{ledger.STATE_DIR}/{info.base_name}") or {})
-        mine = [st for _, st in self._seen.values() if st.get("run_id") == self.run_id]
+        mine = [st for st in self.ledger.refresh().values() if st.get("run_id") == self.run_id]
         done = sum(st["rows"] for st in mine if st["status"] == "done")
         self._bar.set_postfix(failed_shards=sum(st["status"] == "failed" for st in mine), refresh=False)
         self._bar.update(done - self._bar.n)
@@ -81,15 +84,21 @@ def code_version() -> str | None:
 
 def summarize(
     store: Store,
-    shards: list[Shard],
+    ledger: Ledger,
+    plan: Plan,
     run_id: str,
     start: float,
     exit_code: int,
     rerun: list[str],
 ) -> tuple[list[str], dict]:
-    """The end-of-run summary lines, and the record appended to runs.jsonl."""
-    states = ledger.read_states(store)
-    status = ledger.statuses(states, shards)
+    """The end-of-run summary lines and the run's record, with the exit code the ledger decides.
+
+    0 only if every selected shard is done now; a selected shard that is not done (failed, or left pending by a
+    stopped worker or a lost host) makes it 3, unless another live run holds it (that run answers for it).
+    A signal's or a crash's own code stays.
+    """
+    states = ledger.refresh()  # one listing; only this run's new state files are read
+    status = {s.index: _status(states.get(s.index), s) for s in plan.shards}
     ran = {i: st for i, st in states.items() if st.get("run_id") == run_id}
     images = sum(st["rows"] for st in ran.values() if st["status"] == "done")
     wall = time.time() - start
@@ -98,15 +107,24 @@ def summarize(
         for k, v in st.get("stages", {}).items():
             stages[k] = round(stages.get(k, 0.0) + v, 3)
     truncated = sum(st.get("truncated") or 0 for st in ran.values() if st["status"] == "done")
-    failed = sorted(i for i, s in status.items() if s == "failed")
+    open_ = [i for i in plan.selected if status[i] != "done"]
+    elsewhere = {i: w for i in open_ if (w := held_elsewhere(store, i, run_id)) is not None}
+    failed = [i for i in open_ if status[i] == "failed" and i not in elsewhere]
+    pending = [i for i in open_ if status[i] != "failed" and i not in elsewhere]
+    if exit_code in (EXIT_OK, EXIT_SHARDS_FAILED):
+        exit_code = EXIT_SHARDS_FAILED if failed or pending else EXIT_OK
     counts = {k: sum(v == k for v in status.values()) for k in ("done", "failed", "pending", "stale")}
     record = {
+        "run_id": run_id,
         "start": _iso(start),
         "end": _iso(time.time()),
-        "run_id": run_id,
         "exit_code": exit_code,
+        "command": rerun,
+        "shards": len(plan.shards),
+        "selected": len(plan.selected),
         "generated": len(ran),
         "failed_now": sorted(i for i, st in ran.items() if st["status"] != "done"),
+        "not_done": {"failed": failed, "pending": pending, "held_by_other_runs": sorted(elsewhere)},
         **counts,
         "images": images,
         "seconds": round(wall, 2),
@@ -114,7 +132,7 @@ def summarize(
         "stages": stages,
         "truncated_prompts": truncated,
         "code": code_version(),
-        "versions": ledger.versions(),
+        "versions": versions(),
     }
     lines = [
         f"shards: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"
@@ -125,9 +143,25 @@ def summarize(
     ]
     if truncated:
         lines.append(f"{truncated} prompts were longer than generate.max_sequence_length and were truncated")
-    if failed:
-        lines.append(f"failed shards {failed}; rerun them with: {shlex.join([*rerun, 'run.shards=failed'])}")
+    if elsewhere:
+        lines.append(f"shards {_short(sorted(elsewhere))} are being generated by other live workers")
+    if failed or pending:
+        what = "; ".join(f"{k} shards {_short(v)}" for k, v in (("failed", failed), ("pending", pending)) if v)
+        lines.append(f"not done: {what}; finish them with the same command: {shlex.join(rerun)}")
     return lines, record
+
+
+def _status(state: dict | None, shard) -> str:
+    if state is None:
+        return "pending"
+    if state.get("status") != "done":
+        return "failed"
+    # Done by this run (its fingerprint is the plan's) or judged by the plan before the run started.
+    return "done" if state.get("prompts_fingerprint") == shard.fingerprint or shard.status == "done" else shard.status
+
+
+def _short(ids: list[int], n: int = 20) -> str:
+    return str(ids) if len(ids) <= n else f"{ids[:n]}".rstrip("]") + f", ... ({len(ids)} in all)]"
 
 
 def _iso(t: float) -> str:

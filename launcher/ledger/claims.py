@@ -73,3 +73,18 @@ class Claims:
                 self.store.local(self._dir(shard_index)).rmdir()  # only if empty
             except OSError:
                 pass
+
+
+def held_elsewhere(store: Store, shard_index: int, run_id: str) -> int | None:
+    """The worker index of another live run whose claim holds this shard, if any (one listing, one read)."""
+    folder = f"{CLAIMS_DIR}/shard-{shard_index:05d}"
+    names = [f.base_name for f in store.files(folder, ".json")]
+    if not names:
+        return None
+    try:
+        newest = store.read_json(f"{folder}/{max(names)}") or {}
+    except ValueError:
+        return None
+    if newest.get("run_id") == run_id or not run_alive(store, newest.get("worker", -1), newest.get("run_id", "")):
+        return None
+    return newest.get("worker")

@@ -1,16 +1,22 @@
-"""Read a prompt source into rows of (id, prompt, per-row overrides), with one-line errors for bad input.
+"""Read a prompt source as a stream of Arrow batches of (id, prompt, per-row overrides), with one-line errors.
 
 Every error names the file and, where there is one, the line (or Parquet row), so a bad row in a million-line
-source is found in seconds, before any chip is reserved.
+source is found in seconds, before any chip is reserved. Two readers give the same rows:
+- the fast one (launcher/ledger/prompts_fast.py): pyarrow's streaming JSON/CSV/Parquet readers and vectorised
+  checks, which a 10M-line source needs (a Python loop over rows costs ~10 us each);
+- the exact one (here): row by row in Python. It runs where the fast one gives up (an odd file, a value it
+  cannot judge), and it is what names the bad line: the fast reader never words an error itself.
+Nothing holds the whole source: batches stream, and only ids are kept (to refuse duplicates).
 """
 
 from __future__ import annotations
 
-import csv
-import glob
-import io
-import json
-from pathlib import Path
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
 
@@ -18,6 +24,44 @@ from launcher.errors import ConfigError
 OVERRIDE_COLUMNS = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
 _INT_COLUMNS = ("seed", "height", "width", "num_inference_steps")
 FORMATS = (".txt", ".jsonl", ".csv", ".parquet")
+SCHEMA = pa.schema(
+    [("id", pa.string()), ("prompt", pa.string())]
+    + [
+        (k, pa.int64() if k in _INT_COLUMNS else pa.float64() if k == "guidance_scale" else pa.string())
+        for k in OVERRIDE_COLUMNS
+    ]
+)
+BATCH_ROWS = 65536
+
+
+@dataclass(frozen=True)
+class Source:
+    """What to read: `dataset.path` and its columns, and the size rule of per-row height/width."""
+
+    path: str
+    prompt_column: str = "prompt"
+    id_column: str | None = None
+    sizes: SizeRule | None = None
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    multiple: int  # the model's size factor (VAE scale x patch)
+    max_pixels: int  # what the family allows
+    height: int  # the config's, for rows that set only one of the two
+    width: int
+
+    def problem(self, h: int, w: int) -> str | None:
+        for key, v in (("height", h), ("width", w)):
+            if v % self.multiple:
+                fix = max(self.multiple, v // self.multiple * self.multiple)
+                return f"{key} {v} is not a multiple of {self.multiple} (this model's size factor); use e.g. {fix}"
+        if h * w > self.max_pixels:
+            return (
+                f"{w}x{h} is {h * w / 2**20:.1f} megapixels, more than the {self.max_pixels / 2**20:.1f} this model "
+                "family allows; use a smaller size"
+            )
+        return None
 
 
 def check_limit(limit: int | None) -> None:
@@ -25,180 +69,158 @@ def check_limit(limit: int | None) -> None:
         raise ConfigError(f"dataset.limit={limit} selects no prompts; use 1 or more, or null for all rows")
 
 
-def read_prompts(
-    path: str, prompt_column: str = "prompt", id_column: str | None = None, limit: int | None = None
-) -> list[dict]:
-    """Rows as dicts with `id` (str), `prompt` and any override columns, in source order.
+def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
+    """The source's rows in order, as batches with SCHEMA; ids default to the row number across all files."""
+    from launcher.ledger.prompts_fast import fast_batches
 
-    Ids default to the row number across all files in order, so appending rows never renumbers earlier ones.
-    """
+    files, start, ids = source_files(src.path), 0, []
+    for f in files:
+        done = 0
+        try:
+            for b in fast_batches(f, src, start):
+                done += b.num_rows
+                ids.append(b.column(0)) if src.id_column else None
+                yield b
+        except _GiveUp:
+            for b in _batches(_exact_rows(f, src, start), skip=done):
+                ids.append(b.column(0)) if src.id_column else None
+                done += b.num_rows
+                yield b
+        start += done
+    if start == 0:
+        raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
+    if ids:
+        _check_unique(pa.chunked_array(ids, pa.string()), src, files)
+
+
+def read_prompts(path: str, prompt_column: str = "prompt", id_column: str | None = None, limit: int | None = None):
+    """The rows as dicts (id, prompt, overrides present), for tools and tests; runs stream with read_batches."""
     check_limit(limit)
-    rows: list[tuple[str, dict]] = []  # (where it came from, for error messages; the row)
-    for f in _files(path):
-        rows.extend(_read_file(f, prompt_column, id_column))
-    if not rows:
-        raise ConfigError(f"dataset {path} holds no prompts; add prompts or point dataset.path elsewhere")
-    out, seen = [], {}
-    for n, (where, r) in enumerate(rows):
-        prompt = r.get(prompt_column)
-        if prompt_column not in r:
+    rows = []
+    for b in read_batches(Source(path, prompt_column, id_column)):
+        rows += [{k: v for k, v in r.items() if v is not None} for r in b.to_pylist()]
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows[:limit]
+
+
+class _GiveUp(Exception):
+    """The fast reader cannot judge this file; the exact one reads it."""
+
+
+def _batches(rows: Iterator[dict], skip: int = 0) -> Iterator[pa.RecordBatch]:
+    chunk = []
+    for n, r in enumerate(rows):
+        if n >= skip:
+            chunk.append(r)
+        if len(chunk) == BATCH_ROWS:
+            yield pa.RecordBatch.from_pylist(chunk, schema=SCHEMA)
+            chunk = []
+    if chunk:
+        yield pa.RecordBatch.from_pylist(chunk, schema=SCHEMA)
+
+
+def _exact_rows(f: str, src: Source, start: int) -> Iterator[dict]:
+    col, id_col = src.prompt_column, src.id_column
+    for n, (where, r) in enumerate(_raw_rows(f, col, id_col), start):
+        prompt = r.get(col)
+        if col not in r:
             raise ConfigError(
-                f"{where} has no prompt column {prompt_column!r} (dataset.prompt_column); "
+                f"{where} has no prompt column {col!r} (dataset.prompt_column); "
                 f"columns found: {', '.join(map(str, r)) or 'none'}"
             )
         if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: the prompt ({prompt_column!r}) is {_kind(prompt)}, not text; fix that row")
-        if id_column:
-            if r.get(id_column) is None:
-                raise ConfigError(
-                    f"{where} has no id column {id_column!r} (dataset.id_column); "
-                    f"columns found: {', '.join(map(str, r))}; fix the row or set dataset.id_column=null"
-                )
-            rid = str(r[id_column])
-        else:
-            rid = str(n)
-        if rid in seen:
-            raise ConfigError(f"{where}: duplicate id {rid!r} (first at {seen[rid]}); ids must be unique")
-        seen[rid] = where.removeprefix("dataset ")
-        row = {"id": rid, "prompt": prompt}
-        row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
-        out.append(row)
-    _check_file_names(out, path)
-    return out[:limit] if limit is not None else out
-
-
-def _check_file_names(rows: list[dict], path: str) -> None:
-    """Two ids that differ only in characters a file name cannot hold would overwrite each other's PNG."""
-    from launcher.ledger.shards import file_stem
-
-    seen: dict[str, str] = {}
-    for r in rows:
-        other = seen.setdefault(file_stem(r["id"]), r["id"])
-        if other != r["id"]:
+            raise ConfigError(f"{where}: the prompt ({col!r}) is {_kind(prompt)}, not text; fix that row")
+        if id_col and r.get(id_col) is None:
             raise ConfigError(
-                f"dataset {path}: ids {other!r} and {r['id']!r} both become the file name {file_stem(r['id'])}.png; "
-                "make them differ in letters, digits, '-' or '_'"
+                f"{where} has no id column {id_col!r} (dataset.id_column); "
+                f"columns found: {', '.join(map(str, r))}; fix the row or set dataset.id_column=null"
             )
+        row = {"id": str(r[id_col]) if id_col else str(n), "prompt": prompt}
+        row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
+        if src.sizes and ("height" in row or "width" in row):
+            problem = src.sizes.problem(row.get("height", src.sizes.height), row.get("width", src.sizes.width))
+            if problem:
+                raise ConfigError(f"{where}: {problem} (or leave the row's height and width empty)")
+        yield row
 
 
-def _files(path: str) -> list[Path]:
-    matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
-    if not matches or not Path(matches[0]).exists():
-        raise ConfigError(f"dataset.path {path} does not exist; pass an existing file with dataset.path=...")
-    files = [Path(m) for m in matches]
+def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
+    """Unique ids, and unique file names (two ids that differ only in characters a file name cannot hold would
+    overwrite each other's image). Vectorised; the exact reader then names the lines of the first clash."""
+    import pyarrow.compute as pc
+
+    from launcher.ledger.shards import FILE_STEM_UNSAFE, file_stem
+
+    stems = pc.replace_substring_regex(ids, FILE_STEM_UNSAFE, "_")
+    if pc.count_distinct(ids).as_py() == len(ids) and pc.count_distinct(stems).as_py() == len(ids):
+        return
+    seen: dict[str, str] = {}
+    stem_of: dict[str, str] = {}
     for f in files:
-        if f.is_dir():
-            if (f / "state.json").is_file() and (f / "dataset_info.json").is_file():
-                continue  # a folder written by datasets' save_to_disk
+        for where, r in _raw_rows(f, src.prompt_column, src.id_column):
+            rid = str(r[src.id_column])
+            if rid in seen:
+                raise ConfigError(f"{where}: duplicate id {rid!r} (first at {seen[rid]}); ids must be unique")
+            seen[rid] = where.removeprefix("dataset ")
+            other = stem_of.setdefault(file_stem(rid), rid)
+            if other != rid:
+                raise ConfigError(
+                    f"dataset {src.path}: ids {other!r} and {rid!r} both become the file name {file_stem(rid)}.png; "
+                    "make them differ in letters, digits, '-' or '_'"
+                )
+
+
+def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of a local path or a gs:// / s3:// URL, and the path within it."""
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def source_files(path: str) -> list[str]:
+    """The files of `dataset.path` (a file, a glob, a save_to_disk folder), checked, in order."""
+    fs, p = filesystem(path)
+    scheme = path.split("://", 1)[0] + "://" if "://" in path else ""
+    if any(c in p for c in "*?["):
+        base = p[: min(p.index(c) for c in "*?[" if c in p)].rsplit("/", 1)[0] or "/"
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive="**" in p or p.count("/") > base.count("/") + 1))
+        matches = sorted(scheme + i.path for i in infos if fnmatch.fnmatch(i.path, p.lstrip("/") if scheme else p))
+    else:
+        matches = [path] if fs.get_file_info(p).type != pafs.FileType.NotFound else []
+    if not matches:
+        raise ConfigError(f"dataset.path {path} does not exist; pass an existing file with dataset.path=...")
+    for f in matches:
+        if filesystem(f)[0].get_file_info(filesystem(f)[1]).type == pafs.FileType.Directory:
+            if _is_saved_dataset(f):
+                continue
             raise ConfigError(
                 f"dataset.path {f} is a folder but not one written by datasets.save_to_disk; "
                 f"pass a file ({', '.join(FORMATS)}), a glob, or a save_to_disk folder"
             )
-        if f.suffix.lower() not in FORMATS:
+        suffix = _suffix(f)
+        if suffix not in FORMATS:
             raise ConfigError(
-                f"dataset {f}: unknown format {f.suffix or '(no extension)'!r}; use one of {', '.join(FORMATS)}"
+                f"dataset {f}: unknown format {suffix or '(no extension)'!r}; use one of {', '.join(FORMATS)}"
             )
-    return files
+    return matches
 
 
-def _read_file(f: Path, col: str, id_col: str | None) -> list[tuple[str, dict]]:
-    suffix = f.suffix.lower()
-    if f.is_dir():
-        return _read_saved_dataset(f, col, id_col)
-    if suffix == ".parquet":
-        return _read_parquet(f, col, id_col)
-    text = _text(f)
-    # Universal newlines (\n, \r\n, \r) but not str.splitlines(), which also splits at U+2028 and friends: they
-    # may stand unescaped inside a JSON string or a quoted CSV field.
-    lines = list(io.StringIO(text, newline=None))
-    if suffix == ".txt":
-        return [(f"dataset {f}, line {n}", {col: ln.strip()}) for n, ln in enumerate(lines, 1) if ln.strip()]
-    if suffix == ".jsonl":
-        rows = []
-        for n, ln in enumerate(lines, 1):
-            if not ln.strip():
-                continue
-            try:
-                obj = json.loads(ln)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"dataset {f}, line {n}: malformed JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(obj, dict):
-                got = ln.strip()[:40]
-                raise ConfigError(f"dataset {f}, line {n}: expected a JSON object {{...}}, got {got}; fix that line")
-            rows.append((f"dataset {f}, line {n}", obj))
-        return rows
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        header = next(reader, None)
-        rows = []
-        for values in reader:
-            if not values:  # a blank line
-                continue
-            if len(values) != len(header):
-                raise ConfigError(
-                    f"dataset {f}, line {reader.line_num}: expected {len(header)} fields "
-                    f"({', '.join(header)}), got {len(values)}; fix that line (quote fields that hold commas)"
-                )
-            rows.append((f"dataset {f}, line {reader.line_num}", _csv_types(dict(zip(header, values, strict=True)))))
-    except csv.Error as e:
-        raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV ({e}); fix that line") from None
-    if header and col not in header:  # say so even when the file has a header and no rows
-        raise ConfigError(
-            f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(header)}"
-        )
-    return rows
+def _suffix(f: str) -> str:
+    name = f.rstrip("/").rsplit("/", 1)[-1]
+    return "." + name.rsplit(".", 1)[1].lower() if "." in name else ""
 
 
-def _text(f: Path) -> str:
-    data = f.read_bytes()
-    try:
-        return data.decode("utf-8-sig")  # -sig: spreadsheet exports often start with a byte-order mark
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(f"dataset {f}, line {line}: not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+def _is_saved_dataset(f: str) -> bool:
+    fs, p = filesystem(f)
+    return all(fs.get_file_info(f"{p}/{n}").type == pafs.FileType.File for n in ("state.json", "dataset_info.json"))
 
 
-def _read_parquet(f: Path, col: str, id_col: str | None) -> list[tuple[str, dict]]:
-    import pyarrow.parquet as pq
+def _raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
+    """(where, the row as the file holds it), row by row."""
+    from launcher.ledger.prompts_raw import raw_rows
 
-    try:
-        names = pq.read_schema(f).names
-        if col not in names:
-            raise ConfigError(
-                f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(names)}"
-            )
-        # Only the columns we use: a prompt source may also carry images or embeddings we would never look at.
-        wanted = [c for c in dict.fromkeys((col, id_col, *OVERRIDE_COLUMNS)) if c in names]
-        table = pq.read_table(f, columns=wanted).to_pylist()
-    except ConfigError:
-        raise
-    except Exception as e:  # pyarrow raises several types for a corrupt file
-        raise ConfigError(f"dataset {f}: not a readable Parquet file ({_first_line(e)}); rewrite it") from None
-    return [(f"dataset {f}, row {n}", r) for n, r in enumerate(table)]
-
-
-def _read_saved_dataset(folder: Path, col: str, id_col: str | None) -> list[tuple[str, dict]]:
-    """A `datasets.save_to_disk` folder: Arrow stream files listed in its state.json, read with pyarrow alone."""
-    import pyarrow as pa
-
-    try:
-        files = [folder / d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]]
-        tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in files]
-    except Exception as e:  # a damaged folder: missing files, bad JSON, bad Arrow
-        raise ConfigError(f"dataset {folder}: not a readable save_to_disk folder ({_first_line(e)})") from None
-    names = tables[0].schema.names if tables else []
-    if col not in names:
-        raise ConfigError(
-            f"dataset {folder} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(names)}"
-        )
-    wanted = [c for c in dict.fromkeys((col, id_col, *OVERRIDE_COLUMNS)) if c in names]
-    rows = [r for t in tables for r in t.select(wanted).to_pylist()]
-    return [(f"dataset {folder}, row {n}", r) for n, r in enumerate(rows)]
-
-
-def _csv_types(r: dict) -> dict:
-    # CSV has no types: empty cells are missing values; numbers are checked and converted by _override.
-    return {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in r.items()}
+    return raw_rows(f, col, id_col)
 
 
 _NEEDS = {
@@ -232,7 +254,3 @@ def _override(where: str, key: str, value):
 
 def _kind(value) -> str:
     return "missing (null)" if value is None else f"of type {type(value).__name__}"
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

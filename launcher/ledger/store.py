@@ -14,6 +14,7 @@ Google's application default credentials for GCS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -118,6 +119,37 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         return path, tmp
+
+    @contextlib.contextmanager
+    def open_output(self, rel: str):
+        """A stream whose bytes become `rel` whole when the block ends, or not at all when it raises.
+
+        On disk a synced temporary file renamed into place; on an object store a local temporary file uploaded
+        as one object (pyarrow's own upload stream would complete a half-written object on an error).
+        """
+        import shutil
+        import tempfile
+
+        if self.is_local:
+            path = self.local(rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="meshgen-")) / "upload"
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            if self.is_local:
+                _commit(tmp, path)
+            else:
+                self._call(pafs.copy_files, str(tmp), self.path(rel), pafs.LocalFileSystem(), self.fs)
+        finally:
+            if self.is_local:
+                tmp.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(tmp.parent, ignore_errors=True)
 
     def write_json(self, rel: str, obj: dict) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())

@@ -1,4 +1,4 @@
-"""The worker's loop: plan the shards, load the pipeline, generate shard by shard, record each outcome.
+"""The worker's loop: read the run's plan, load the pipeline, generate shard by shard, record each outcome.
 
 The ranks of a tp group run every shard in lockstep. After each batch they exchange their local errors over a
 CPU group, so when any rank fails, all of them stop that shard at the same point and no rank is left waiting in
@@ -21,6 +21,7 @@ from jobs.text_to_image import count_truncated, make_batches, run_batch
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.ledger import states as ledger
 from launcher.ledger.claims import Claims
+from launcher.ledger.plan import PlanFile, plan_rel
 from launcher.ledger.shards import Shard, preference
 from launcher.ledger.store import Store
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
@@ -47,6 +48,8 @@ class Worker:
     writer: BackgroundWriter | None  # only on each tp group's first rank
     store: Store | None = None
     run_id: str = ""
+    plan: PlanFile | None = None  # on each dp group's first rank
+    shard: Shard | None = None  # the one being generated, with its rows
     rescanned: bool = False
     compile_stats: CompileStats = field(default_factory=CompileStats)
     warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
@@ -57,29 +60,32 @@ def run_worker(cfg) -> int:
     device = init_distributed(device_type, cfg.run.timeout_s)
     mesh = ParallelDims(cfg.mesh.dp, cfg.mesh.tp, dist.get_world_size()).build_mesh(device_type)
     groups = build_groups(mesh)
-    # One rank reads what to run and tells the others, so that every rank works from the same selection.
-    # Rank 0 is on the host whose launcher holds the lock: its run id and start time are the whole job's.
+    # Rank 0 is on the host whose launcher holds the lock and wrote the plan: its run id and start time are the
+    # whole job's, and name the plan file every host reads.
+    box = [None]
     if dist.get_rank() == 0:
         run_id = os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"
-        box = [(*ledger.plan(cfg), run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))]
-    else:
-        box = [None]
+        box = [(run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))]
     dist.broadcast_object_list(box, src=0, group=groups.world_control)
-    shards, selected, _, run_id, run_start = box[0]
+    run_id, run_start = box[0]
+    store = Store(cfg.output.dir)
+    # Only the first rank of each dp group claims shards and reads their rows; it tells its tp peers.
+    plan = PlanFile(store, plan_rel(run_id)) if groups.is_writer else None
+    selected = plan.selected if plan else []
     index, count = resolve_workers(cfg)
     slot, slots = index * cfg.mesh.dp + groups.dp_rank, count * cfg.mesh.dp
     order = preference(selected, slot, slots)
-    logger.info(
-        "%d shards to generate by %d workers; dp replica %d tries %s first",
-        len(selected),
-        count,
-        groups.dp_rank,
-        selected[slot::slots],
-    )
-    store = Store(cfg.output.dir)
+    if plan:
+        logger.info(
+            "%d shards to generate by %d workers; dp replica %d tries %s first",
+            len(selected),
+            count,
+            groups.dp_rank,
+            selected[slot::slots],
+        )
     claims = Claims(store, index, run_id, run_start)
     # Claim a first shard before the (long) model load, so workers starting together split the work at once.
-    w = Worker(cfg, None, groups, None, None, store, run_id)
+    w = Worker(cfg, None, groups, None, None, store, run_id, plan=plan)
     first = _next_shard(w, claims, order)
     # Loading is collective across the whole world (transformers builds its mesh over every rank), so the
     # ranks skip it only all together, when no dp group got a shard.
@@ -99,7 +105,7 @@ def run_worker(cfg) -> int:
     code = EXIT_OK
     i = first
     while i is not None:
-        if not run_shard(w, shards[i]) and cfg.run.on_error == "abort":
+        if not run_shard(w, w.shard) and cfg.run.on_error == "abort":
             code = EXIT_SHARDS_FAILED
             break
         i = _next_shard(w, claims, order)
@@ -125,9 +131,11 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
                 claims.skipped.clear()
             i = order.pop(0)
             if claims.try_claim(i):
-                box[0] = i
-    dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
-    return box[0]
+                box[0] = w.plan.shard(i)
+    if w.groups.tp_size > 1:
+        dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
+    w.shard = box[0]
+    return None if box[0] is None else box[0].index
 
 
 def _agree(groups: Groups, error: str | None) -> str | None:

@@ -1,0 +1,150 @@
+"""The run's plan, made once by the launcher in one streaming pass over the prompt source.
+
+Pass 1 reads the source batch by batch, cuts it into shards on fixed row boundaries (shard i = rows
+i*size ... (i+1)*size-1), fingerprints each shard's rows and judges it against its state file; no shard's rows
+are kept. If anything is to be generated, pass 2 reads the source again up to the last selected shard and writes
+the selected shards' rows to a plan file in the output folder (`plans/<run id>.arrow`: Arrow IPC, one record
+batch per shard), which every worker of every host reads when it claims a shard. So memory stays bounded by a
+batch whatever the source's size, workers never re-plan, and no rank receives rows it does not generate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from launcher.errors import ConfigError
+from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches
+from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
+from launcher.ledger.states import select_shards
+from launcher.ledger.store import Store
+
+PLANS_DIR = "plans"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    rows: int
+    fingerprint: str
+    status: str  # done | failed | pending | stale | grown
+
+
+@dataclass
+class Plan:
+    shards: list[ShardPlan]
+    selected: list[int]  # to generate now, by any worker
+    stale: list[int]
+
+    @property
+    def status(self) -> dict[int, str]:
+        return {s.index: s.status for s in self.shards}
+
+    def samples(self, indices) -> int:
+        return sum(self.shards[i].rows for i in indices)
+
+
+def source(cfg, sizes: SizeRule | None = None) -> Source:
+    return Source(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column, sizes)
+
+
+def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
+    """(index, the shard's rows within dataset.limit, its whole rows), shard by shard, in order."""
+    check_limit(limit)
+    pending: list[pa.RecordBatch] = []
+    have, index, seen = 0, 0, 0
+    for batch in read_batches(src):
+        pending.append(batch)
+        have += batch.num_rows
+        while have >= shard_size:
+            table, pending, have = _take(pending, shard_size, have)
+            yield from _limited(index, table, seen, limit)
+            seen, index = seen + shard_size, index + 1
+            if limit is not None and seen >= limit:
+                return
+    if have:
+        table, _, _ = _take(pending, have, have)
+        yield from _limited(index, table, seen, limit)
+
+
+def _take(batches: list[pa.RecordBatch], n: int, have: int) -> tuple[pa.Table, list, int]:
+    table = pa.Table.from_batches(batches)
+    return table.slice(0, n).combine_chunks(), table.slice(n).to_batches(), have - n
+
+
+def _limited(index: int, table: pa.Table, seen: int, limit: int | None):
+    if limit is None or seen + table.num_rows <= limit:
+        yield index, table, table
+    elif seen < limit:
+        yield index, table.slice(0, limit - seen), table
+
+
+def shard_status(state: dict | None, table: pa.Table, whole: pa.Table) -> str:
+    """done | failed | pending | stale (done, but its prompts changed) | grown (done, and rows were appended)."""
+    if state is None:
+        return "pending"
+    if state.get("status") != "done":
+        return "failed"
+    fp = state.get("prompts_fingerprint")
+    # A shard done in full is done under any dataset.limit.
+    if same_prompts(fp, table) or (whole is not table and same_prompts(fp, whole)):
+        return "done"
+    n = state.get("rows", 0)
+    if n < table.num_rows and same_prompts(fp, table.slice(0, n)):
+        return "grown"
+    return "stale"
+
+
+def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Plan:
+    """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source)."""
+    shards = [
+        ShardPlan(i, t.num_rows, prompts_fingerprint(t), shard_status(states.get(i), t, whole))
+        for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit)
+    ]
+    status = {s.index: s.status for s in shards}
+    selection = parse_selection(cfg.run.shards, len(shards))
+    stale = [i for i, st in status.items() if st == "stale"]
+    return Plan(shards, select_shards(status, selection, cfg.run.stale), stale)
+
+
+def plan_rel(run_id: str) -> str:
+    return f"{PLANS_DIR}/{run_id}.arrow"
+
+
+def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | None = None) -> None:
+    """Pass 2: the selected shards' rows, one record batch each, written whole or not at all."""
+    from launcher.ledger.prompts import SCHEMA
+
+    wanted = set(plan.selected)
+    meta = {"shards": [[i, plan.shards[i].fingerprint] for i in sorted(wanted)]}
+    schema = SCHEMA.with_metadata({"meshgen_plan": json.dumps(meta)})
+    last = max(wanted)
+    with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
+        for i, table, _ in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+            if i in wanted:
+                if prompts_fingerprint(table) != plan.shards[i].fingerprint:
+                    raise ConfigError(
+                        f"the prompt source {cfg.dataset.path} changed while this run was planned (shard {i}); "
+                        "run the same command again once it is complete"
+                    )
+                writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else table)
+            if i >= last:
+                break
+
+
+class PlanFile:
+    """A worker's view of the plan: which shards to generate, and one shard's rows when it claims it."""
+
+    def __init__(self, store: Store, rel: str):
+        self._reader = pa.ipc.open_file(store.fs.open_input_file(store.path(rel)))
+        meta = json.loads(self._reader.schema.metadata[b"meshgen_plan"])
+        self._where = {i: (k, fp) for k, (i, fp) in enumerate(meta["shards"])}
+        self.selected = sorted(self._where)
+
+    def shard(self, index: int) -> Shard:
+        k, fp = self._where[index]
+        rows = self._reader.get_batch(k).to_pylist()
+        return Shard(index, tuple({c: v for c, v in r.items() if v is not None} for r in rows), fp)

@@ -1,0 +1,195 @@
+"""The fast reader: pyarrow's streaming readers and vectorised checks, batch by batch.
+
+It yields exactly the rows the exact reader (launcher/ledger/prompts.py) would, or gives up (`_GiveUp`) the
+moment it meets anything it cannot judge the same way: a parse error, a type it would have to coerce, a value
+out of range. The exact reader then reads that file and names the bad line, or finds it valid and goes on
+where this one stopped. So the fast path never decides what is an error, only what is certainly fine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from launcher.ledger.prompts import (
+    _INT_COLUMNS,
+    BATCH_ROWS,
+    OVERRIDE_COLUMNS,
+    SCHEMA,
+    Source,
+    _GiveUp,
+    _suffix,
+    filesystem,
+)
+
+_TYPES = {f.name: f.type for f in SCHEMA}
+_BLOCK = 1 << 22  # bytes per parsed block: large enough to amortise, small enough to stream
+
+
+def fast_batches(f: str, src: Source, start: int) -> Iterator[pa.RecordBatch]:
+    try:
+        for raw in _raw_batches(f, src):
+            if raw.num_rows:
+                yield normalize(raw, src, start)
+                start += raw.num_rows
+    except (pa.ArrowException, UnicodeDecodeError, ValueError, OSError, KeyError) as e:
+        raise _GiveUp(str(e)) from None
+
+
+def _raw_batches(f: str, src: Source) -> Iterator[pa.RecordBatch]:
+    fs, p = filesystem(f)
+    if fs.get_file_info(p).type.name == "Directory":
+        from launcher.ledger.prompts_raw import saved_dataset_files
+
+        for part in saved_dataset_files(f):
+            with fs.open_input_file(part) as fh:
+                yield from pa.ipc.open_stream(fh)
+        return
+    suffix = _suffix(f)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(fs.open_input_file(p))
+        names = pf.schema_arrow.names
+        wanted = [c for c in dict.fromkeys((src.prompt_column, src.id_column, *OVERRIDE_COLUMNS)) if c in names]
+        yield from pf.iter_batches(columns=wanted, batch_size=BATCH_ROWS)
+    elif suffix == ".txt":
+        yield from _txt(fs.open_input_stream(p), src.prompt_column)
+    elif suffix == ".jsonl":
+        yield from _jsonl(fs, p, src)
+    else:
+        yield from _csv(fs.open_input_stream(p), src)
+
+
+def _txt(raw, col: str) -> Iterator[pa.RecordBatch]:
+    with raw:
+        chunk = []
+        for ln in io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None):
+            s = ln.strip()
+            if s:
+                chunk.append(s)
+                if len(chunk) == BATCH_ROWS:
+                    yield pa.record_batch([pa.array(chunk, pa.string())], names=[col])
+                    chunk = []
+        if chunk:
+            yield pa.record_batch([pa.array(chunk, pa.string())], names=[col])
+
+
+def _jsonl(fs, p: str, src: Source) -> Iterator[pa.RecordBatch]:
+    import pyarrow.json as pj
+
+    fields = {src.prompt_column: pa.string(), **{k: _TYPES[k] for k in OVERRIDE_COLUMNS}}
+    if src.id_column:  # its type, from the first row: ids may be numbers or text (mixed ones go the exact way)
+        with fs.open_input_stream(p) as s:
+            first = next((ln for ln in io.TextIOWrapper(s, encoding="utf-8-sig") if ln.strip()), "{}")
+        value = json.loads(first).get(src.id_column) if first.strip().startswith("{") else None
+        fields[src.id_column] = pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
+    options = pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore")
+    with fs.open_input_stream(p) as s:
+        head = s.read(3)  # pyarrow's JSON reader does not skip a byte-order mark: drop it, or put back what it was
+        stream = s if head == b"\xef\xbb\xbf" else _Prefixed(head, s)
+        yield from pj.open_json(stream, read_options=pj.ReadOptions(block_size=_BLOCK), parse_options=options)
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream with a few bytes already read put back in front."""
+
+    def __init__(self, head: bytes, rest):
+        self.head, self.rest = head, rest
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        out, self.head = self.head, b""
+        more = self.rest.read() if n < 0 else self.rest.read(max(0, n - len(out)))
+        return out + more
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _csv(raw, src: Source) -> Iterator[pa.RecordBatch]:
+    import pyarrow.csv as pcsv
+
+    types = {src.prompt_column: pa.string(), **{k: _TYPES[k] for k in OVERRIDE_COLUMNS}}
+    if src.id_column:
+        types[src.id_column] = pa.string()  # CSV has no types: an id is the text of its cell
+    convert = pcsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=False)
+    parse = pcsv.ParseOptions(newlines_in_values=True)
+    with raw:
+        reader = pcsv.open_csv(
+            raw, read_options=pcsv.ReadOptions(block_size=_BLOCK), parse_options=parse, convert_options=convert
+        )
+        if src.prompt_column not in reader.schema.names:
+            raise _GiveUp("no prompt column")
+        for b in reader:
+            if "negative_prompt" in b.schema.names:  # an empty cell is no override, as in the exact reader
+                i = b.schema.get_field_index("negative_prompt")
+                col = b.column(i)
+                b = b.set_column(i, "negative_prompt", pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col))
+            yield b
+
+
+def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
+    """One raw batch as SCHEMA, if every value is certainly what the exact reader makes of it."""
+    n, names = raw.num_rows, raw.schema.names
+    if src.prompt_column not in names:
+        raise _GiveUp("no prompt column")
+    prompt = raw.column(src.prompt_column)
+    if not (pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type)) or prompt.null_count:
+        raise _GiveUp("prompt")
+    if src.id_column:
+        ids = raw.column(src.id_column) if src.id_column in names else pa.nulls(n)
+        ok = pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) or pa.types.is_integer(ids.type)
+        if not ok or ids.null_count:
+            raise _GiveUp("ids")
+        ids = ids.cast(pa.string())
+    else:
+        ids = pa.array(np.arange(start, start + n)).cast(pa.string())
+    columns = [ids, prompt.cast(pa.string())]
+    for k in OVERRIDE_COLUMNS:
+        col = raw.column(k) if k in names else pa.nulls(n, _TYPES[k])
+        columns.append(_override(k, col) if col.null_count < n else pa.nulls(n, _TYPES[k]))
+    batch = pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
+    if src.sizes and (columns[3].null_count < n or columns[4].null_count < n):
+        r = src.sizes
+        h = pc.fill_null(batch.column("height"), r.height)
+        w = pc.fill_null(batch.column("width"), r.width)
+        bad = pc.or_(_not_multiple(h, r.multiple), _not_multiple(w, r.multiple))
+        if pc.any(pc.or_(bad, pc.greater(pc.multiply(h, w), r.max_pixels))).as_py():
+            raise _GiveUp("sizes")
+    return batch
+
+
+def _not_multiple(a: pa.Array, m: int) -> pa.Array:
+    return pc.not_equal(pc.subtract(a, pc.multiply(pc.divide(a, m), m)), 0)
+
+
+def _override(key: str, col: pa.Array) -> pa.Array:
+    t = col.type
+    if key in _INT_COLUMNS:
+        if not pa.types.is_integer(t):
+            raise _GiveUp(key)
+        col = col.cast(pa.int64())  # a uint64 beyond int64 fails here, and goes the exact way
+        low = pc.min(col).as_py()
+        if low is not None and low < (0 if key == "seed" else 1):
+            raise _GiveUp(key)
+        return col
+    if key == "guidance_scale":
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+            raise _GiveUp(key)
+        col = col.cast(pa.float64())
+        if pc.any(pc.or_(pc.is_nan(col), pc.less(col, 0.0))).as_py():
+            raise _GiveUp(key)
+        return col
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        raise _GiveUp(key)
+    return col.cast(pa.string())

@@ -1,0 +1,103 @@
+"""What a folder says about the runs that made it: run.json (the job's settings) and one record per run.
+
+run.json fingerprints what determines the images; it is written when the folder is new and rewritten only when
+the source has grown (its shard count), so concurrent workers that start together write the same bytes. Each
+run's own record is `runs/<run id>.json`, created by that run alone: no history is read, modified and written
+back, so none is lost to a race on an object store.
+"""
+
+from __future__ import annotations
+
+import time
+
+from launcher.errors import ConfigError
+from launcher.ledger.shards import settings, settings_fingerprint
+from launcher.ledger.states import DATA_DIR, IMAGES_DIR, INDEX, STATE_DIR, WDS_DIR
+from launcher.ledger.store import Store
+
+RUNS_DIR = "runs"
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("meshgen", "torch", "diffusers", "transformers", "torch_tpu"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def check_run_json(store: Store, cfg) -> None:
+    """Refuse to resume into a folder made with other settings (exit 2 naming what differs)."""
+    old = store.read_json("run.json")
+    if old is None or old.get("fingerprint") == settings_fingerprint(cfg):
+        return
+    new = settings(cfg)
+    diffs = [
+        f"{g}.{k}: {old['settings'].get(g, {}).get(k)!r} -> {v!r}"
+        for g, keys in new.items()
+        for k, v in keys.items()
+        if old["settings"].get(g, {}).get(k) != v
+    ]
+    raise ConfigError(
+        f"{store} holds a run made with other settings ({'; '.join(diffs)}); "
+        "rerun with run.overwrite=true to discard it, or choose a new output.dir"
+    )
+
+
+def write_run_json(store: Store, cfg, n_shards: int) -> None:
+    from omegaconf import OmegaConf
+
+    old = store.read_json("run.json") or {}
+    if old and old.get("shards", 0) >= n_shards:
+        return  # settings are the same (checked), and the source has not grown
+    store.write_json(
+        "run.json",
+        {
+            "fingerprint": settings_fingerprint(cfg),
+            "settings": settings(cfg),
+            "config": old.get("config") or OmegaConf.to_container(cfg),
+            "shards": n_shards,
+            "shard_size": cfg.run.shard_size,
+            "versions": versions(),
+            "created": old.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+        },
+    )
+
+
+def record_rel(run_id: str) -> str:
+    return f"{RUNS_DIR}/{run_id}.json"
+
+
+def write_record(store: Store, record: dict) -> None:
+    store.write_json(record_rel(record["run_id"]), record)
+
+
+def read_records(store: Store) -> list[dict]:
+    """Every run's record, oldest first (run ids start with their start time)."""
+    out = []
+    for info in store.files(RUNS_DIR, ".json"):
+        try:
+            rec = store.read_json(f"{RUNS_DIR}/{info.base_name}")
+        except ValueError:  # its run died while the object store wrote it: nothing to say
+            continue
+        if rec:
+            out.append(rec)
+    return sorted(out, key=lambda r: (r.get("start", ""), r.get("run_id", "")))
+
+
+def latest_record(store: Store) -> dict | None:
+    """The newest run's record: one listing, one read."""
+    names = [i.base_name for i in store.files(RUNS_DIR, ".json")]
+    return store.read_json(f"{RUNS_DIR}/{max(names)}") if names else None
+
+
+def discard_outputs(store: Store) -> None:
+    """run.overwrite: remove earlier results (not locks, claims and plans: they belong to live runs)."""
+    for name in (STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, RUNS_DIR):
+        store.delete_dir(name)
+    for name in ("run.json", "README.md", "report.html", "contact_sheet.png", INDEX, "runs.jsonl"):
+        store.delete(name)
