@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import EXIT_OK, ConfigError, LockHeld
+from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
 from launcher.host.summary import Progress, summarize
 from launcher.worker.execution import mode_env
 
@@ -89,6 +89,21 @@ def run_elastic(args: list[str]) -> int:
     return EXIT_OK
 
 
+def run_hosts(cfg, args: list[str]) -> int:
+    """run_elastic, and on a multi-host job the watch that stops this host when another is lost (exit 3)."""
+    if cfg.mesh.nodes == 1:
+        return run_elastic(args)
+    from launcher.host.peers import PeerWatch, peer_port
+
+    node = int(os.environ.get("NODE_RANK", "0"))
+    with PeerWatch(node, cfg.mesh.nodes, os.environ.get("MASTER_ADDR", "127.0.0.1"), peer_port()) as watch:
+        code = run_elastic(args)
+        if code != EXIT_OK and watch.settle():
+            logger.error("lost a host (%s); run the same command on every host to finish the job", watch.lost)
+            return EXIT_SHARDS_FAILED
+    return code
+
+
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.card import write_card
     from launcher.host.model_checks import size_rule
@@ -103,7 +118,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         # One job over several hosts: the first host's launcher keeps the books (lock, plan, records, summary);
         # the others only run their workers.
         os.environ.update(plan_.env)
-        return run_elastic(plan_.torchrun_args)
+        return run_hosts(cfg, plan_.torchrun_args)
     store, sizes = Store(cfg.output.dir), size_rule(cfg)
     if not cfg.run.overwrite:
         runs.check_run_json(store, cfg)
@@ -142,7 +157,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
             try:
                 with Progress(ledger, samples, run_id):
-                    code = run_elastic(plan_.torchrun_args)
+                    code = run_hosts(cfg, plan_.torchrun_args)
             finally:
                 store.delete(plan_rel(run_id))
         else:

@@ -6,7 +6,6 @@ One generator per format, row by row, so that a bad line is named exactly and no
 from __future__ import annotations
 
 import csv
-import io
 import json
 from collections.abc import Iterator
 
@@ -47,52 +46,57 @@ def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]
 
 
 def _lines(f: str) -> Iterator[tuple[int, str]]:
-    """Numbered lines: universal newlines (\\n, \\r\\n, \\r) but not str.splitlines(), which also splits at U+2028
-    and friends, which may stand unescaped inside a JSON string or a quoted CSV field."""
+    """Numbered lines without their ends: universal newlines (\\n, \\r\\n, \\r) but not str.splitlines(), which
+    also splits at U+2028 and friends, which may stand unescaped inside a JSON string or a quoted CSV field.
+    Decoded line by line, so a byte that is not UTF-8 is named by its own line."""
     fs, p = filesystem(f)
-    with fs.open_input_stream(p) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)  # -sig: spreadsheets write a BOM
-        n = 0
+    n = 0
+    for part in _byte_lines(fs, p):
         try:
-            for n, ln in enumerate(text, 1):  # noqa: B007 (n names the line of a decoding error)
-                yield n, ln
+            text = part.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(
                 f"dataset {f}, line {n + 1}: not UTF-8 text ({e.reason}); save the file as UTF-8"
             ) from None
+        if n == 0:
+            text = text.removeprefix("\ufeff")  # spreadsheet exports often start with a byte-order mark
+        for line in text.removesuffix("\r").split("\r"):
+            n += 1
+            yield n, line
+
+
+def _byte_lines(fs, p: str) -> Iterator[bytes]:
+    with fs.open_input_stream(p) as raw:
+        rest = b""
+        while chunk := raw.read(1 << 20):
+            parts = (rest + chunk).split(b"\n")
+            rest = parts.pop()
+            yield from parts
+        if rest:
+            yield rest
 
 
 def _csv(f: str, col: str) -> Iterator[tuple[str, dict]]:
-    fs, p = filesystem(f)
-    with fs.open_input_stream(p) as raw:
-        reader = csv.reader(io.TextIOWrapper(raw, encoding="utf-8-sig", newline=""))
-        try:
-            header = next(reader, None)
-            if header and col not in header:  # say so even when the file has a header and no rows
-                raise ConfigError(
-                    f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); "
-                    f"columns found: {', '.join(header)}"
-                )
-            for values in reader:
-                if not values:  # a blank line
-                    continue
-                if len(values) != len(header):
-                    raise ConfigError(
-                        f"dataset {f}, line {reader.line_num}: expected {len(header)} fields "
-                        f"({', '.join(header)}), got {len(values)}; fix that line (quote fields that hold commas)"
-                    )
-                # CSV has no types: empty cells are missing values; numbers are checked and converted later.
-                row = {
-                    k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in zip(header, values, strict=True)
-                }
-                yield f"dataset {f}, line {reader.line_num}", row
-        except csv.Error as e:
-            raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV ({e}); fix that line") from None
-        except UnicodeDecodeError as e:
-            line = reader.line_num + 1
+    reader = csv.reader(line + "\n" for _, line in _lines(f))
+    try:
+        header = next(reader, None)
+        if header and col not in header:  # say so even when the file has a header and no rows
             raise ConfigError(
-                f"dataset {f}, line {line}: not UTF-8 text ({e.reason}); save the file as UTF-8"
-            ) from None
+                f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(header)}"
+            )
+        for values in reader:
+            if not values:  # a blank line
+                continue
+            if len(values) != len(header):
+                raise ConfigError(
+                    f"dataset {f}, line {reader.line_num}: expected {len(header)} fields "
+                    f"({', '.join(header)}), got {len(values)}; fix that line (quote fields that hold commas)"
+                )
+            # CSV has no types: empty cells are missing values; numbers are checked and converted later.
+            row = {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in zip(header, values, strict=True)}
+            yield f"dataset {f}, line {reader.line_num}", row
+    except csv.Error as e:
+        raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV ({e}); fix that line") from None
 
 
 def _wanted(names: list[str], col: str, id_col: str | None, f: str) -> list[str]:

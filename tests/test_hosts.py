@@ -1,0 +1,68 @@
+"""A job over two hosts, on one machine: two launchers on loopback (NODE_RANK=0/1, MASTER_ADDR=127.0.0.1).
+
+kill -9 of the second host's launcher and workers mid-run must stop the first host within 30 s with exit 3 and
+its done shards kept; the same command on both hosts then finishes the job, with the images of a clean run on
+one host. Once with the dp axis across the hosts, once with the tp axis across them.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import LAUNCH, read_rows, run_clean, slow_job
+from test_faults import assert_same_as_clean, done_count, wait_for
+
+N = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_hosts(job: list[str], port: int) -> list[subprocess.Popen]:
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHON": sys.executable, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1"}
+        env.update(MASTER_PORT=str(port), MESHGEN_PEER_PORT=str(port + 1))
+        procs.append(
+            subprocess.Popen([LAUNCH, *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        )
+    return procs
+
+
+@pytest.mark.parametrize("axis", ["dp", "tp"])
+def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_model, tmp_path):
+    mesh = ["mesh.dp=2", "mesh.tp=1"] if axis == "dp" else ["mesh.dp=1", "mesh.tp=2"]
+    job = slow_job(tiny_model, tmp_path, N, *mesh)
+    clean = run_clean(job, tmp_path / "clean")  # one host, the same mesh
+    out = tmp_path / "out"
+    multi = [*job, "mesh.nodes=2", f"output.dir={out}"]
+    first, second = start_hosts(multi, free_port())
+    wait_for(lambda: done_count(out) >= 1, timeout=180)
+    victim = psutil.Process(second.pid)
+    tree = [victim, *victim.children(recursive=True)]
+    for p in tree:
+        p.kill()
+    t0 = time.time()
+    code = first.wait(timeout=60)
+    stop_s = time.time() - t0
+    err = first.stderr.read()
+    print(f"{axis} across hosts: the first host stopped {stop_s:.2f} s after the kill, exit {code}")
+    assert code == 3, err[-3000:]
+    assert stop_s < 30
+    assert "lost a host" in err and "not done:" in err and "finish them with the same command" in err
+    kept = done_count(out)
+    assert 1 <= kept < N // 2
+    second.wait()
+    # The same command on both hosts completes it; the dead run's claims are taken over.
+    first, second = start_hosts(multi, free_port())
+    codes = [p.wait(timeout=300) for p in (first, second)]
+    assert codes == [0, 0], first.stderr.read()[-3000:] + second.stderr.read()[-3000:]
+    assert len(read_rows(out)) == N
+    assert_same_as_clean(out, clean, N)
