@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+from launcher.host.space import best_effort, warn_if_short
 from launcher.host.summary import Progress, summarize
 from launcher.worker.execution import mode_env
 
@@ -107,9 +108,10 @@ def run_hosts(cfg, args: list[str]) -> int:
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.card import write_card
     from launcher.host.model_checks import size_rule
+    from launcher.host.space import stopped_by_space
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
-    from launcher.ledger.plan import make_plan, plan_rel, write_plan_file
+    from launcher.ledger.plan import make_plan
     from launcher.ledger.states import Ledger, clean_tmp
     from launcher.ledger.store import Store
     from launcher.workers import resolve_workers
@@ -144,32 +146,44 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             f"conf={conf}",
             *(o for o in overrides if not o.startswith(("run.shards=", "run.overwrite="))),
         ]
-        runs.write_run_json(store, cfg, len(plan.shards))
-        ledger.save_index()
+        full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
+        full |= best_effort("the ledger's index", ledger.save_index)
         clean_tmp(store)
         if plan.stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
         code = EXIT_OK
-        if plan.selected:
-            samples = plan.samples(plan.selected)
-            logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
-            write_plan_file(store, plan_rel(run_id), cfg, plan, sizes)
-            os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
-            try:
-                with Progress(ledger, samples, run_id):
-                    code = run_hosts(cfg, plan_.torchrun_args)
-            finally:
-                store.delete(plan_rel(run_id))
-        else:
+        if plan.selected and not full:
+            code, full = generate(cfg, store, ledger, plan, run_id, start, plan_, sizes)
+        elif not plan.selected:
             logger.info("nothing to do: every selected shard of %s is done", store)
         lines, record = summarize(store, ledger, plan, run_id, start, code, rerun)
         code = record["exit_code"]
-        runs.write_record(store, record)
-        ledger.save_index()
-        write_card(store, ledger.states)
+        full |= best_effort("the run's record", runs.write_record, store, record)
+        full |= best_effort("the ledger's index", ledger.save_index)
+        full |= best_effort("the dataset card", write_card, store, ledger.states)
     for line in lines:
         logger.info(line)
+    last = stopped_by_space(cfg, store, ledger.states, run_id, full)
+    if last and code == EXIT_SHARDS_FAILED:
+        print(last, file=sys.stderr)  # the last line: what stopped the run and how to finish it
     return code
+
+
+def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchPlan, sizes) -> tuple[int, bool]:
+    """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
+    from launcher.ledger.plan import plan_rel, write_plan_file
+
+    samples = plan.samples(plan.selected)
+    logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
+    warn_if_short(cfg, store, samples)
+    if best_effort("the run's plan", write_plan_file, store, plan_rel(run_id), cfg, plan, sizes):
+        return EXIT_SHARDS_FAILED, True
+    os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
+    try:
+        with Progress(ledger, samples, run_id):
+            return run_hosts(cfg, plan_.torchrun_args), False
+    finally:
+        store.delete(plan_rel(run_id))
 
 
 def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:

@@ -20,6 +20,7 @@ import json
 import socket
 import time
 
+from launcher.errors import out_of_space
 from launcher.ledger.lock import run_alive
 from launcher.ledger.states import CLAIMS_DIR, read_state
 from launcher.ledger.store import Store
@@ -30,6 +31,7 @@ class Claims:
         self.store, self.worker, self.run_id, self.started = store, worker_index, run_id, started
         self.held: dict[int, int] = {}  # shard -> the generation of our claim on it
         self.skipped: set[int] = set()  # shards another live run held when we tried them
+        self.out_of_space = False  # a claim could not be written: the output is full
 
     def _dir(self, shard_index: int) -> str:
         return f"{CLAIMS_DIR}/shard-{shard_index:05d}"
@@ -49,7 +51,16 @@ class Claims:
                 return False
         record = {"worker": self.worker, "run_id": self.run_id, "host": socket.gethostname(), "time": time.time()}
         nxt = gens[-1] + 1 if gens else 0
-        if not self.store.create_exclusive(f"{self._dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode()):
+        try:
+            created = self.store.create_exclusive(
+                f"{self._dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode()
+            )
+        except OSError as e:
+            if not out_of_space(e):
+                raise
+            self.out_of_space = True  # nothing more can be written here; the launcher says so
+            return False
+        if not created:
             self.skipped.add(shard_index)
             return False
         self.held[shard_index] = nxt

@@ -114,10 +114,14 @@ class Store:
         path = self.local(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:  # a full disk: leave no partial temporary file behind
+            tmp.unlink(missing_ok=True)
+            raise
         return path, tmp
 
     @contextlib.contextmanager
@@ -154,14 +158,6 @@ class Store:
     def write_json(self, rel: str, obj: dict) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
-    def append_line(self, rel: str, line: str) -> None:
-        if self.is_local:
-            self.local(rel).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.local(rel), "a") as f:
-                f.write(line.rstrip("\n") + "\n")
-        else:  # objects cannot be appended to: rewrite (one writer per run folder holds the lock)
-            self.write_bytes(rel, (self.read_bytes(rel) or b"") + line.rstrip("\n").encode() + b"\n")
-
     def put_folder(self, rel: str, files: dict[str, bytes]) -> None:
         """Replace the folder `rel` with `files`: on disk all at once (a renamed temporary folder)."""
         if not self.is_local:
@@ -175,10 +171,14 @@ class Store:
         tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name, data in files.items():
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                os.fsync(f.fileno())  # a power loss must not leave a "done" shard with empty images
+        try:
+            for name, data in files.items():
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                    os.fsync(f.fileno())  # a power loss must not leave a "done" shard with empty images
+        except OSError:  # a full disk: leave no partial temporary folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)  # an earlier attempt that was never marked done
         _commit(tmp, final)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import OmegaConf
 
-from launcher.errors import die_with_parent
+from launcher.errors import die_with_parent, out_of_space
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
 from launcher.worker.writer import delete_shard_files, encode_png, warm_up, write_shard
@@ -54,6 +54,7 @@ class BackgroundWriter:
     def __init__(self, store: Store, output_cfg, encode_workers: int, on_recorded: Callable[[int], None]):
         self.store, self.on_recorded = store, on_recorded
         self.failed: list[int] = []
+        self.out_of_space = False  # a write found the output full: generating more would only fail too
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
         self._ctx = multiprocessing.get_context("spawn")
@@ -107,6 +108,9 @@ class BackgroundWriter:
             job.state.update(
                 status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
             )
+            if out_of_space(e):
+                self.out_of_space = job.state["out_of_space"] = True
+                logger.error("shard %d: %s is out of space; this worker stops generating", job.index, self.store)
             if isinstance(e, BrokenProcessPool):  # the writer process or an encoder died (out of memory?)
                 self._process = self._new_process()
         if job.state["status"] != "done":
@@ -117,7 +121,14 @@ class BackgroundWriter:
                 job.state["error"] += f"; its files could not be removed: {type(e).__name__}: {e}"
         job.queued.wait()
         job.state["finished_at"] = time.time()
-        self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
+        try:
+            self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
+        except OSError as e:
+            if not out_of_space(e):
+                raise
+            # Not even the state fits: the shard stays pending (never wrongly done), and the launcher says why.
+            self.out_of_space = True
+            logger.error("shard %d: %s is out of space; its state could not be written either", job.index, self.store)
         self.on_recorded(job.index)
 
     def _write(self, job: ShardJob) -> None:

@@ -108,6 +108,8 @@ def run_worker(cfg) -> int:
         if not run_shard(w, w.shard) and cfg.run.on_error == "abort":
             code = EXIT_SHARDS_FAILED
             break
+        if _out_of_space(w):  # the rest would only fail to be written; the launcher says so once
+            break
         i = _next_shard(w, claims, order)
     if writer is not None:
         writer.close()
@@ -122,7 +124,7 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
     """The next shard this dp group generates: claimed by its first rank, told to the others."""
     box = [None]
     if w.groups.is_writer:
-        while box[0] is None:
+        while box[0] is None and not claims.out_of_space:
             if not order:  # once: shards that a live run held when we tried them, in case it died since
                 if w.rescanned or not claims.skipped:
                     break
@@ -136,6 +138,14 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
         dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
     w.shard = box[0]
     return None if box[0] is None else box[0].index
+
+
+def _out_of_space(w: Worker) -> bool:
+    """Whether the dp group's writer found the output full, told to its tp peers so that they stop together."""
+    box = [bool(w.writer and w.writer.out_of_space)]
+    if w.groups.tp_size > 1:
+        dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
+    return box[0]
 
 
 def _agree(groups: Groups, error: str | None) -> str | None:

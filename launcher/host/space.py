@@ -1,0 +1,78 @@
+"""Room on the output: a warning at start when the selected shards clearly will not fit, and the last line of a
+run that the disk (or a quota) stopped.
+
+The estimate is coarse on purpose: bytes per pixel of each image format on photographic content (PNG at zlib
+level 1 ~1.8, measured by tools/bench/writer.py; JPEG q95 ~0.35; WebP ~0.25), times the copies written (image
+files, Parquet, WebDataset). It only has to catch a run that needs ten times the room there is.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from launcher.errors import out_of_space
+from launcher.ledger.store import Store
+
+logger = logging.getLogger(__name__)
+BYTES_PER_PIXEL = {"png": 1.8, "jpeg": 0.35, "webp": 0.25}
+
+
+def estimate_bytes(cfg, images: int) -> int:
+    out = cfg.output
+    copies = sum(bool(out.get(k)) for k in ("image_files", "png", "parquet", "webdataset") if k in out)
+    per_pixel = BYTES_PER_PIXEL.get(out.get("format", "png"), 1.8)
+    return int(images * cfg.generate.height * cfg.generate.width * per_pixel * max(copies, 1))
+
+
+def free_bytes(store: Store) -> int | None:
+    """Free bytes where the output lives (None on an object store: it has no such number)."""
+    if not store.is_local:
+        return None
+    probe = store.local()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def warn_if_short(cfg, store: Store, images: int) -> None:
+    free, need = free_bytes(store), estimate_bytes(cfg, images)
+    if free is not None and free < need:
+        logger.warning(
+            "%s has %s free, but the %d images to generate need about %s; the run will stop when it is full",
+            store,
+            _size(free),
+            images,
+            _size(need),
+        )
+
+
+def stopped_by_space(cfg, store: Store, states: dict[int, dict], run_id: str, launcher_failed: bool) -> str | None:
+    """The last line of a run that ran out of room, or None. A worker that could not even write a claim or a
+    state leaves no word of it, so less room than one shard needs counts too."""
+    said = any(st.get("out_of_space") for st in states.values() if st.get("run_id") == run_id)
+    free = free_bytes(store)
+    if not (said or launcher_failed or (free is not None and free < estimate_bytes(cfg, cfg.run.shard_size))):
+        return None
+    room = f"{_size(free)} free" if free is not None else "the store refused writes: a quota?"
+    return f"error: {store} is out of space ({room}); free some space and run the same command again to finish"
+
+
+def best_effort(what: str, fn, *args) -> bool:
+    """Run fn(*args), a write of the launcher's own bookkeeping; True if it failed for want of room."""
+    try:
+        fn(*args)
+    except OSError as e:
+        if not out_of_space(e):
+            raise
+        logger.warning("could not write %s: out of space", what)
+        return True
+    return False
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

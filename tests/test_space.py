@@ -1,0 +1,50 @@
+"""A full disk stops the run cleanly: exit 3, no traceback, a last line that names the folder and the free
+space, no temporary files, no shard wrongly done; the same command finishes the job once there is room.
+
+The disk is a real small tmpfs (mounting needs root, as in CI's container; elsewhere the test is skipped).
+"""
+
+import subprocess
+
+import pytest
+from conftest import launch, read_rows, run_clean, slow_job
+from test_faults import assert_same_as_clean
+
+N = 24
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); the disk-full test needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_finishes(tiny_model, small_disk, tmp_path):
+    job = slow_job(tiny_model, tmp_path, N, "generate.num_inference_steps=2")
+    clean = run_clean(job, tmp_path / "clean")
+    need = sum(p.stat().st_size for p in clean.rglob("*") if p.is_file() and p.parts[len(clean.parts)] != "locks")
+    filler = small_disk / "filler"
+    # Room for the bookkeeping and about a third of the shards' files.
+    free = 2 * 2**20 - need // 3 - 64 * 1024
+    filler.write_bytes(b"\0" * free)
+    out = small_disk / "out"
+    res = launch(*job, f"output.dir={out}")
+    err = res.stderr
+    assert res.returncode == 3, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out} is out of space (") and " free)" in last, last
+    assert "the run will stop when it is full" in err  # the estimate at the start saw it coming
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "temporary files left"
+    done = read_rows(out)
+    assert 0 < len(done) < N
+    assert all(done[k]["image"]["bytes"] == v["image"]["bytes"] for k, v in read_rows(clean).items() if k in done)
+    filler.unlink()  # room again: the same command finishes the job
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_as_clean(out, clean, N)
