@@ -39,9 +39,14 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    dp: int = 1
-    tp: int = 1
+    # A whole number or "auto" (tp: the smallest that fits the chip; dp: fill the host's chips). The launcher
+    # resolves auto once (launcher/host/mesh_plan.py) and hands the workers numbers.
+    dp: Any = 1
+    tp: Any = 1
     nodes: int = 1
+    chip: str = "auto"  # auto (what this host has) | v5e | v5p | v6e | v7x | h100 | h200 | another name
+    chip_memory_gib: float | None = None  # None: from the chip table (or the device, for auto)
+    chips_per_host: int | None = None  # None: counted from the device files (TPU) or the driver (CUDA)
 
 
 @dataclass
