@@ -159,4 +159,8 @@ def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictC
     unknown = unknown_keys(cfg, JobConfig)
     if unknown:
         raise ConfigError(unknown_key_message(unknown[0], JobConfig) or f"unknown config key {unknown[0]}")
+    for key in ("dp", "tp"):  # typed Any in the schema, since OmegaConf has no int-or-"auto" type
+        v = cfg.mesh[key]
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
     return cfg

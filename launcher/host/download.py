@@ -29,13 +29,13 @@ def cached_root(path: str) -> Path | None:
         return p
     if not looks_like_hub_id(path):
         return None
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import try_to_load_from_cache
 
-    try:
-        root = Path(snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.txt"]))
-    except Exception:  # not cached (or the cache is unreadable): the same to the caller
-        return None
-    return root if (root / "model_index.json").is_file() else None
+    # The snapshot folder that refs/main points to. Not snapshot_download(local_files_only=True): in
+    # huggingface_hub 2.4 that checks the snapshot against the repo's whole file list and calls a pipeline
+    # that diffusers downloaded (which skips e.g. text_encoder/generation_config.json) incomplete.
+    index = try_to_load_from_cache(path, "model_index.json")
+    return Path(index).parent if isinstance(index, str) else None
 
 
 def ensure_downloaded(path: str) -> None:

@@ -25,12 +25,12 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-COUNT_VERSION = 1  # bump when the counting rules change, so cached counts are not reused
+COUNT_VERSION = 2  # bump when the counting rules change, so cached counts are not reused
 
 
 @dataclass(frozen=True)
 class Counts:
-    total: int  # parameters (tied ones once)
+    total: int  # parameters (tied ones once) and saved buffers
     sharded: int  # of them, in layers the tensor-parallel plan splits over tp
     fp32_half: int  # kept in float32 when loading in float16 (`_keep_in_fp32_modules`, e.g. T5's wo)
     fp32_strict: int  # kept in float32 in float16 and bfloat16 (`_keep_in_fp32_modules_strict`)
@@ -90,6 +90,12 @@ def _count(component: Component) -> Counts:
     keep_half = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     keep_strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     total = sharded = fp32_half = fp32_strict = 0
+    for module in model.modules():  # buffers that are saved take memory too (BatchNorm statistics)
+        total += sum(
+            b.numel()
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        )
     for name, p in model.named_parameters():
         module, _, leaf = name.rpartition(".")
         n = p.numel()

@@ -60,7 +60,7 @@ def gib(n: int) -> str:
 
 def plan_mesh(cfg, device: str, root: Path | None) -> MeshPlan:
     """Resolve `auto` in cfg.mesh (written back as numbers), and refuse a mesh whose weights do not fit."""
-    dp, tp = (_mesh_value(cfg, k) for k in ("dp", "tp"))
+    dp, tp = cfg.mesh.dp, cfg.mesh.tp  # numbers or "auto" (load_config checked)
     chip = detect_chip(cfg, device)
     comps = memory.components(cfg.model.path, root)
     why = []
@@ -144,13 +144,6 @@ def _no_fit_hint(cfg) -> str:
     if cfg.execution.offload == "none":
         return "use more chips (mesh.tp), execution.offload=model, a smaller generate.batch_size or size"
     return "use a chip with more memory or a smaller generate.batch_size or size"
-
-
-def _mesh_value(cfg, key: str):
-    v = cfg.mesh[key]
-    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)):
-        return v
-    raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
 
 
 def _tp_limit(cfg, chip: Chip) -> int:
