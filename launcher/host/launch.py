@@ -171,7 +171,7 @@ def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from launcher.logs import setup_logging
 
-    setup_logging(0)
+    setup_logging(0, hub_progress=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
