@@ -47,12 +47,15 @@ def components(path: str, root: Path | None) -> dict[str, Component] | None:
     """The pipeline's model components: from its folder's configs if there is one, else the published table."""
     if root is None:
         return published(path)
-    index = json.loads((root / "model_index.json").read_text())
-    out = {}
-    for name, spec in index.items():
-        config = root / name / "config.json"
-        if isinstance(spec, list) and len(spec) == 2 and spec[0] and config.is_file():
-            out[name] = (spec[0], spec[1], json.loads(config.read_text()))
+    try:
+        index = json.loads((root / "model_index.json").read_text())
+        out = {}
+        for name, spec in index.items():
+            config = root / name / "config.json"
+            if isinstance(spec, list) and len(spec) == 2 and spec[0] and config.is_file():
+                out[name] = (spec[0], spec[1], json.loads(config.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return None  # not a pipeline folder, or broken configs: preflight's model checks say which, in one line
     return out
 
 

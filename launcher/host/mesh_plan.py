@@ -61,8 +61,13 @@ def gib(n: int) -> str:
 def plan_mesh(cfg, device: str, root: Path | None) -> MeshPlan:
     """Resolve `auto` in cfg.mesh (written back as numbers), and refuse a mesh whose weights do not fit."""
     dp, tp = cfg.mesh.dp, cfg.mesh.tp  # numbers or "auto" (load_config checked)
+    low = [f"mesh.{k}={v}" for k, v in (("dp", dp), ("tp", tp), ("nodes", cfg.mesh.nodes)) if v != "auto" and v < 1]
+    if low:  # as check_mesh says it, which runs later, on numbers
+        raise ConfigError(f"{' and '.join(low)} must be at least 1 (processes = mesh.dp * mesh.tp)")
     chip = detect_chip(cfg, device)
     comps = memory.components(cfg.model.path, root)
+    if comps is not None and not _countable(comps):
+        comps = None
     why = []
     if tp == "auto":
         tp, reason = _auto_tp(cfg, device, chip, comps)
@@ -86,6 +91,18 @@ def plan_mesh(cfg, device: str, root: Path | None) -> MeshPlan:
                 f"usable per {chip.name} chip ({_usable_text(chip)}); {hint}"
             )
     return plan
+
+
+def _countable(comps: dict) -> bool:
+    """A folder whose classes this diffusers/transformers cannot build gets no memory check, not a crash."""
+    try:
+        for name, comp in comps.items():
+            if memory.bucket(name):
+                memory.counts(comp)
+    except Exception as e:  # noqa: BLE001 - whatever the library raises for a config it cannot instantiate
+        logger.warning("cannot count the weights of %s (%s); no memory check", comp[1], str(e).splitlines()[:1])
+        return False
+    return True
 
 
 def rank_bytes(cfg, comps: dict, tp: int) -> dict[str, int]:
