@@ -39,9 +39,14 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    dp: int = 1
-    tp: int = 1
+    # A whole number or "auto" (tp: the smallest that fits the chip; dp: fill the host's chips). The launcher
+    # resolves auto once (launcher/host/mesh_plan.py) and hands the workers numbers.
+    dp: Any = 1
+    tp: Any = 1
     nodes: int = 1
+    chip: str = "auto"  # auto (what this host has) | v5e | v5p | v6e | v7x | h100 | h200 | another name
+    chip_memory_gib: float | None = None  # None: from the chip table (or the device, for auto)
+    chips_per_host: int | None = None  # None: counted from the device files (TPU) or the driver (CUDA)
 
 
 @dataclass
@@ -154,4 +159,8 @@ def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictC
     unknown = unknown_keys(cfg, JobConfig)
     if unknown:
         raise ConfigError(unknown_key_message(unknown[0], JobConfig) or f"unknown config key {unknown[0]}")
+    for key in ("dp", "tp"):  # typed Any in the schema, since OmegaConf has no int-or-"auto" type
+        v = cfg.mesh[key]
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
     return cfg

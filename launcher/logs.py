@@ -7,7 +7,8 @@ import os
 import warnings
 
 
-def setup_logging(rank: int | None = None) -> None:
+def setup_logging(rank: int | None = None, hub_progress: bool = False) -> None:
+    """`hub_progress`: keep huggingface_hub's progress bars (the launcher's model download shows one)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     verbose = os.environ.get("MESHGEN_VERBOSE") == "1"
     level = logging.INFO if rank == 0 or verbose else logging.WARNING
@@ -19,10 +20,11 @@ def setup_logging(rank: int | None = None) -> None:
     )
     if not verbose:
         # The libraries' routine warnings and progress bars drown our own lines; MESHGEN_VERBOSE=1 shows them.
-        for name in ("diffusers", "transformers", "torch.distributed", "huggingface_hub"):
+        for name in ("diffusers", "transformers", "torch.distributed", "huggingface_hub", "httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.ERROR)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if not hub_progress:
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)

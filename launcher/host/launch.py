@@ -209,38 +209,75 @@ def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from launcher.logs import setup_logging
 
-    setup_logging(0)
+    setup_logging(0, hub_progress=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
         from launcher.config import load_config, split_args
-        from launcher.host.checks import preflight
+        from launcher.host.checks import check_settings, preflight
         from launcher.worker.dist import resolve_device
 
         conf, overrides = split_args(argv)
         cfg = load_config(conf, overrides)
         device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
+        check_settings(cfg)
+        mesh = plan_mesh_early(cfg, device)  # before a download: a mesh that cannot fit costs no weights
         if dry_run:
-            plan_ = launch_plan(cfg, conf, overrides, device)
+            mesh = mesh or plan_mesh_now(cfg, device)
+            plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
+            print("\n".join([mesh.line(), *(f"# mesh: {w}" for w in mesh.why)]))
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
-        preflight(cfg)
         ensure_model(cfg)
+        mesh = mesh or plan_mesh_now(cfg, device)
+        for line in (mesh.line(), *mesh.why):
+            logger.info(line.removeprefix("# mesh: "))
+        preflight(cfg)
         if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
             set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
-        return supervise(cfg, conf, overrides, launch_plan(cfg, conf, overrides, device))
+        plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
+        return supervise(cfg, conf, overrides, plan_)
     except (ConfigError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 
 
+def plan_mesh_early(cfg, device: str):
+    """The mesh plan if the model's configs are known without the network (a folder, the cache, the table)."""
+    from launcher.host.download import cached_root
+    from launcher.host.mesh_plan import plan_mesh
+    from launcher.models.checkpoints import published
+
+    root = cached_root(cfg.model.path)
+    return plan_mesh(cfg, device, root) if root is not None or published(cfg.model.path) else None
+
+
+def plan_mesh_now(cfg, device: str):
+    from launcher.host.download import cached_root
+    from launcher.host.mesh_plan import plan_mesh
+
+    return plan_mesh(cfg, device, cached_root(cfg.model.path))
+
+
+def worker_overrides(overrides: list[str], cfg, mesh) -> list[str]:
+    """Workers compose the same config; where the launcher resolved `auto`, they get its numbers."""
+    if not mesh.why:
+        return overrides
+    kept = [o for o in overrides if not o.lstrip("+").startswith(("mesh.dp=", "mesh.tp="))]
+    return [*kept, f"mesh.dp={cfg.mesh.dp}", f"mesh.tp={cfg.mesh.tp}"]
+
+
 def ensure_model(cfg) -> None:
-    """Build the project's own tiny model on first use (the only models that can be built rather than loaded)."""
+    """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host)."""
     if cfg.model.build and not Path(cfg.model.path).exists():
         from launcher.models import build
 
         build(cfg.model.build, cfg.model.path)
+        return
+    from launcher.host.download import ensure_downloaded
+
+    ensure_downloaded(cfg.model.path)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,15 @@ def model_dir(path: str) -> Path:
         return p
     if not _looks_like_hub_id(path):
         raise ConfigError(f"model.path {path} does not exist; point it at a diffusers pipeline folder or a hub id")
-    from huggingface_hub import snapshot_download
+    from launcher.host.download import cached_root
 
-    try:  # local cache only: a preflight must never wait on the network
-        return Path(snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.txt"]))
-    except Exception:
+    root = cached_root(path)  # the local cache only: a preflight must never wait on the network
+    if root is None:
         raise ConfigError(
             f"model.path {path} is neither a local folder nor in the Hugging Face cache; download "
             f"it first (hf download {path}) or set model.path to a local folder"
-        ) from None
+        )
+    return root
 
 
 def _looks_like_hub_id(path: str) -> bool:

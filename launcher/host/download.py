@@ -1,0 +1,96 @@
+"""A hub id not in the local cache is downloaded here, by the launcher, once per host, before any worker starts.
+
+Only what the pipeline loads: `DiffusionPipeline.download` reads model_index.json and the repo's file list and
+keeps the components' weights in the format and variant `from_pretrained` would pick (safetensors, no
+variant), not the repo's extra single-file checkpoints (about 24 GB of them for FLUX.1). Workers then load
+from the cache offline. huggingface_hub's own progress bar shows the download.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from launcher.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def looks_like_hub_id(path: str) -> bool:
+    # "org/name" or "name": a relative path with more parts, or one that starts like a path, is a path.
+    return path.count("/") <= 1 and not path.startswith(("/", ".", "~")) and not path.endswith("/")
+
+
+def cached_root(path: str) -> Path | None:
+    """The pipeline's folder without the network: `path` itself, or its cached snapshot; None if neither."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if not looks_like_hub_id(path):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    # The snapshot folder that refs/main points to. Not snapshot_download(local_files_only=True): in
+    # huggingface_hub 2.4 that checks the snapshot against the repo's whole file list and calls a pipeline
+    # that diffusers downloaded (which skips e.g. text_encoder/generation_config.json) incomplete.
+    index = try_to_load_from_cache(path, "model_index.json")
+    return Path(index).parent if isinstance(index, str) else None
+
+
+def ensure_downloaded(path: str) -> None:
+    """Download hub id `path` (the files its pipeline loads) unless the cache already has them all."""
+    if Path(path).is_dir() or not looks_like_hub_id(path) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return  # a folder, a typo'd path (model_checks says so), or offline: the cache is all there is
+    if _complete_in_cache(path):
+        return  # downloaded before: no network at all, so a host without one runs from its cache
+    from diffusers import DiffusionPipeline
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        # One file first: a gated or missing repo answers here with its own error, before diffusers turns it
+        # into a generic one; and model_index.json is the first file the download needs anyway.
+        hf_hub_download(path, "model_index.json")
+        logger.info("fetching %s from %s (only the files its pipeline loads)", path, constants.ENDPOINT)
+        DiffusionPipeline.download(path)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line; the chain names the cause
+        cause = _root_cause(e, (GatedRepoError, RepositoryNotFoundError))
+        if isinstance(cause, GatedRepoError):
+            raise ConfigError(
+                f"model.path {path} is a gated repo: log in (hf auth login, or set HF_TOKEN) with an account that "
+                f"accepted its license at {constants.ENDPOINT}/{path}"
+            ) from None
+        if isinstance(cause, RepositoryNotFoundError):
+            raise ConfigError(
+                f"model.path {path} is not a repo on {constants.ENDPOINT} (or a private one: log in with "
+                "hf auth login); check the id, or point model.path at a local folder"
+            ) from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"cannot download model.path {path} from {constants.ENDPOINT} ({first}); check the network, "
+            f"or download it elsewhere (hf download {path}) into HF_HOME"
+        ) from None
+
+
+def _complete_in_cache(path: str) -> bool:
+    from launcher.host.model_checks import _check_components
+
+    root = cached_root(path)
+    if root is None:
+        return False
+    try:
+        _check_components(path, root)  # every component's folder and weight files are there
+    except ConfigError:
+        return False
+    return True
+
+
+def _root_cause(e: BaseException, wanted: tuple[type, ...]) -> BaseException:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, wanted):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return e
