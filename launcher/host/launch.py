@@ -131,7 +131,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", stale)
         code = EXIT_OK
         if selected:
-            samples = sum(len(shards[i].rows) for i in selected)
+            samples = sum(len(shards[i].rows) for i in selected) * cfg.generate.images_per_prompt
             logger.info("generating %d shards (%d samples) into %s", len(selected), samples, store)
             os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
             with Progress(store, samples, run_id):

@@ -26,7 +26,11 @@ def check_limit(limit: int | None) -> None:
 
 
 def read_prompts(
-    path: str, prompt_column: str = "prompt", id_column: str | None = None, limit: int | None = None
+    path: str,
+    prompt_column: str = "prompt",
+    id_column: str | None = None,
+    limit: int | None = None,
+    images_per_prompt: int = 1,
 ) -> list[dict]:
     """Rows as dicts with `id` (str), `prompt` and any override columns, in source order.
 
@@ -63,14 +67,15 @@ def read_prompts(
         row = {"id": rid, "prompt": prompt}
         row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
         out.append(row)
-    _check_file_names(out, path)
+    _check_file_names(out, path, images_per_prompt)
     return out[:limit] if limit is not None else out
 
 
-def _check_file_names(rows: list[dict], path: str) -> None:
+def _check_file_names(rows: list[dict], path: str, images_per_prompt: int = 1) -> None:
     """Two ids that differ only in characters a file name cannot hold would overwrite each other's PNG."""
-    from launcher.ledger.shards import file_stem
+    from launcher.ledger.shards import check_sample_ids, file_stem
 
+    check_sample_ids((r["id"] for r in rows), images_per_prompt, f"dataset {path}")
     seen: dict[str, str] = {}
     for r in rows:
         other = seen.setdefault(file_stem(r["id"]), r["id"])

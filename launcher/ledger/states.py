@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from launcher.errors import ConfigError
-from launcher.ledger.shards import Shard, prompts_fingerprint, settings, settings_fingerprint
+from launcher.ledger.shards import Shard, prompts_fingerprint, settings, settings_diff, settings_fingerprint
 from launcher.ledger.store import TMP_MARK, Store
 
 STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, CLAIMS_DIR = "state", "data", "images", "webdataset", "claims"
@@ -53,13 +53,7 @@ def check_run_json(store: Store, cfg) -> None:
     old = store.read_json("run.json")
     if old is None or old.get("fingerprint") == settings_fingerprint(cfg):
         return
-    new = settings(cfg)
-    diffs = [
-        f"{g}.{k}: {old['settings'].get(g, {}).get(k)!r} -> {v!r}"
-        for g, keys in new.items()
-        for k, v in keys.items()
-        if old["settings"].get(g, {}).get(k) != v
-    ]
+    diffs = settings_diff(old["settings"], settings(cfg))
     raise ConfigError(
         f"{store} holds a run made with other settings ({'; '.join(diffs)}); "
         "rerun with run.overwrite=true to discard it, or choose a new output.dir"
@@ -102,7 +96,7 @@ def shard_status(state: dict | None, shard: Shard) -> str:
         return "failed"
     if state.get("prompts_fingerprint") in (None, shard.fingerprint, shard.whole_fingerprint):
         return "done"
-    n = state.get("rows", 0)
+    n = state.get("prompts", state.get("rows", 0))  # rows count images; "prompts" is there when they differ
     if n < len(shard.rows) and prompts_fingerprint(shard.rows[:n]) == state["prompts_fingerprint"]:
         return "grown"
     return "stale"
@@ -157,7 +151,8 @@ def plan(cfg) -> tuple[list[Shard], list[int], list[int]]:
 
     limit = cfg.dataset.limit
     check_limit(limit)
-    rows = read_prompts(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column)
+    d = cfg.dataset
+    rows = read_prompts(d.path, d.prompt_column, d.id_column, images_per_prompt=cfg.generate.images_per_prompt)
     shards = cut_shards(rows[:limit], cfg.run.shard_size)
     if limit is not None:
         whole = cut_shards(rows, cfg.run.shard_size)
