@@ -51,12 +51,13 @@ step() { # step SECONDS LOG COMMAND...: run it under a time limit, its output to
 }
 
 run() {
-  local out="${OUT:-gpu-bench-out}" py=python3 dev=cuda mfu=() bench=(--images 64 --repeats 2)
+  # The speed part runs on the CPU (tiny model): on the GPU host, gpu.py's offload,taylorseer modes stand for it.
+  local out="${OUT:-gpu-bench-out}" py=python3 dev=cuda mfu=() bench=(--images 64 --repeats 2 --parts runner,memory,writer)
   mkdir -p "$out"
   if [[ ${1:-} == dry ]]; then
     py="${PYTHON:-.venv/bin/python}" dev=cpu mfu=(--dry-run)
     bench=(--images 6 --shard-size 2 --repeats 1 --mem-heads 2 --mem-layers 1 --mem-single-layers 1
-      --writer-size 256 --writer-images 4)
+      --writer-size 256 --writer-images 4 --speed-prompts 4 --offload-shard 4 --cache-images 1 --cache-steps 4)
   else
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || {
