@@ -1,12 +1,14 @@
 """Text to image: turn one shard's rows into images with a diffusers pipeline.
 
-Batches are formed within same-shape buckets and padded to `generate.batch_size`, so every call has a static
-shape (one compile per shape). Each sample gets its own CPU generator seeded from its id, so an image does not
-depend on which batch, rank or device produced it.
+Batches are formed within same-shape buckets and padded to `generate.batch_size` prompts, so every call has a
+static shape (one compile per shape). With `generate.images_per_prompt=N` a call takes its prompts once and
+denoises N images of each (`num_images_per_prompt`): the text encoder runs once per prompt. Each sample gets its
+own CPU generator seeded from its id, so an image does not depend on which batch, rank or device produced it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from launcher.ledger.shards import row_seed
+from launcher.ledger.shards import image_seeds, sample_ids
 from launcher.models import family_of
 
 logger = logging.getLogger(__name__)
@@ -26,14 +28,29 @@ _CASTS = (int, int, int, float)
 
 @dataclass
 class Batch:
-    rows: list[dict]  # padded to batch_size by repeating the last row
-    n_real: int  # how many of `rows` are real samples; the padded outputs are dropped
+    rows: list[dict]  # prompt rows, padded to batch_size by repeating the last row
+    n_real: int  # how many of `rows` are real prompts; the padded outputs are dropped
     shape: tuple  # the values of SETTINGS
-    seeds: list[int]  # one per row
+    seeds: list[int]  # one per image: images_per_prompt per row, prompt-major (the pipeline's order)
+    images_per_prompt: int = 1
 
     @property
     def settings(self) -> dict:
         return dict(zip(SETTINGS, self.shape, strict=True))
+
+    def samples(self, images) -> list[dict]:
+        """One sample dict per real image: row fields, settings, seed and `pixels` (uint8 HxWx3)."""
+        n, out = self.images_per_prompt, []
+        for i, row in enumerate(self.rows[: self.n_real]):
+            for k, sid in enumerate(sample_ids(row["id"], n)):
+                sample = {"id": sid, "prompt": row["prompt"], "seed": self.seeds[i * n + k]}
+                if n > 1:  # the column exists only then, so N = 1 writes what it always wrote
+                    sample["prompt_id"] = row["id"]
+                sample["negative_prompt"] = row.get("negative_prompt")
+                # The same rounding as diffusers' numpy_to_pil, without the PIL round trip.
+                sample["pixels"] = (images[i * n + k] * 255).round().astype("uint8")
+                out.append({**sample, **self.settings})
+        return out
 
 
 def make_batches(rows, gen) -> list[Batch]:
@@ -43,7 +60,7 @@ def make_batches(rows, gen) -> list[Batch]:
     node's attribute costs microseconds, which add up to a per-image overhead on small models.
     """
     defaults = (gen.height, gen.width, gen.num_inference_steps, gen.guidance_scale)
-    base_seed, size = gen.seed, gen.batch_size
+    base_seed, size, n = gen.seed, gen.batch_size, gen.images_per_prompt
     buckets: dict[tuple, list[dict]] = {}
     for r in rows:
         shape = tuple(cast(r.get(k, d)) for k, d, cast in zip(SETTINGS, defaults, _CASTS, strict=True))
@@ -53,7 +70,8 @@ def make_batches(rows, gen) -> list[Batch]:
         for i in range(0, len(members), size):
             chunk = members[i : i + size]
             padded = chunk + [chunk[-1]] * (size - len(chunk))
-            out.append(Batch(padded, len(chunk), shape, [row_seed(r, base_seed) for r in padded]))
+            seeds = [s for r in padded for s in image_seeds(r, base_seed, n)]
+            out.append(Batch(padded, len(chunk), shape, seeds, n))
     return out
 
 
@@ -80,6 +98,8 @@ def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     }
     if "negative_prompt" in accepted and any(r.get("negative_prompt") for r in batch.rows):
         kwargs["negative_prompt"] = [r.get("negative_prompt") or "" for r in batch.rows]
+    if batch.images_per_prompt > 1:
+        kwargs["num_images_per_prompt"] = batch.images_per_prompt
     kwargs = _family(type(pipe)).call_kwargs(kwargs)
     return {k: v for k, v in kwargs.items() if k in accepted}
 
@@ -93,20 +113,17 @@ def run_batch(pipe, batch: Batch, cfg, num_inference_steps: int | None = None) -
     if num_inference_steps is not None:
         kwargs["num_inference_steps"] = num_inference_steps
     kwargs["output_type"] = "np"
-    images = pipe(**kwargs).images
-    common = {"model": cfg.model.path, **batch.settings}
-    return [
-        {
-            "id": row["id"],
-            "prompt": row["prompt"],
-            "seed": seed,
-            "negative_prompt": row.get("negative_prompt"),
-            **common,
-            # The same rounding as diffusers' numpy_to_pil, without the PIL round trip.
-            "pixels": (image * 255).round().astype("uint8"),
-        }
-        for row, seed, image in zip(batch.rows[: batch.n_real], batch.seeds, images, strict=False)
-    ]
+    with cache_context(pipe):
+        images = pipe(**kwargs).images
+    return [{**s, "model": cfg.model.path} for s in batch.samples(images)]
+
+
+def cache_context(pipe):
+    """The step cache's context around one call, where the pipeline does not open one itself (FLUX.2)."""
+    name = _family(type(pipe)).cache_context
+    if name and getattr(pipe.transformer, "is_cache_enabled", False):
+        return pipe.transformer.cache_context(name)
+    return contextlib.nullcontext()
 
 
 def count_truncated(pipe, prompts: list[str], max_sequence_length: int) -> int:

@@ -64,8 +64,9 @@ class GenerateConfig:
     num_inference_steps: int = 28
     guidance_scale: float = 4.0
     max_sequence_length: int = 512
-    batch_size: int = 1
+    batch_size: int = 1  # prompts per pipeline call: a call denoises batch_size * images_per_prompt images
     seed: int = 0
+    images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
 
 
 @dataclass
@@ -95,6 +96,11 @@ class ExecutionConfig:
     mode: str = "eager"  # eager | defer_and_fuse | compile
     offload: str = "none"  # none | model
     compile_cache_dir: str | None = None
+    # Per shard: encode every prompt, then denoise every batch, then decode (jobs/staged.py).
+    staged: bool = False
+    release_text_encoder: bool = True  # staged without offload: the text encoder leaves the chip while denoising
+    cache: str = "none"  # none | taylorseer | first_block | magcache (step caching; changes the images)
+    cache_options: dict[str, Any] = field(default_factory=dict)  # passed to diffusers' cache config class
 
 
 @dataclass

@@ -38,6 +38,7 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
     tiny += ["--steps", "2", "--mem-heads", "2", "--mem-layers", "1", "--mem-single-layers", "1"]
     tiny += ["--writer-size", "64", "--writer-images", "2", "--writer-processes", "1,2", "--writer-repeats", "1"]
     tiny += ["--writer-encoders", "imagecodecs", "--writer-levels", "1"]
+    tiny += ["--parts", "runner,memory,writer"]  # speed: below, its in-process parts; its N jobs reuse the runner's
     assert bench.main(["--out", str(out), "--model", str(tiny_model), "--workdir", str(tmp_path), *tiny]) == 0
     result = json.loads(out.read_text())
 
@@ -91,3 +92,15 @@ def test_gpu_bench_dry_run_writes_json(tmp_path, tools):
     result = json.loads(out.read_text())
     assert result["modes"]["eager"]["step_s"] > 0 and result["modes"]["eager"]["finite"]
     assert result["params"] > 0 and result["tflop_per_step"] > 0
+
+
+def test_speed_bench_counts_offload_moves_parking_and_cache(tiny_model, tools):
+    from tools.bench.speed import bench_cache, bench_offload, bench_release
+
+    o = bench_offload(str(tiny_model), 4, 32, 1)
+    # The bare loop moves every model on and off per image; staged once per shard of 4.
+    assert o["staged"]["bytes_per_image"] * 4 == pytest.approx(o["bare"]["bytes_per_image"]) and o["bytes_ratio"] < 1
+    r = bench_release(str(tiny_model), 1, 32, 1)
+    assert 0 < r["released"]["weights"] < r["kept"]["weights"]
+    c = bench_cache(str(tiny_model), 1, 32, (8,))["steps_8"]
+    assert c["taylorseer"]["s_per_image"] > 0 and c["max_pixel_diff"] >= 0

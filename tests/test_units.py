@@ -66,6 +66,7 @@ def test_batches_are_padded_and_bucketed_by_shape():
     gen = OmegaConf.create(
         {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 3, "seed": 5}
     )
+    gen.images_per_prompt = 1
     rows = [{"id": str(i), "prompt": "p"} for i in range(5)] + [{"id": "w", "prompt": "p", "width": 128}]
     batches = make_batches(rows, gen)
     assert [(len(b.rows), b.n_real, b.shape[:2]) for b in batches] == [

@@ -6,7 +6,9 @@
 #   tools/gpu_bench.sh [run]   there, from the repo root, with .whl carried: install them into /tmp/site, then
 #                              1. tools/bench/gpu.py: FLUX.1 transformer s/step and MFU, eager and regional compile
 #                              2. python -m tools.bench --device cuda: runner vs bare loop on the GPU, memory, writer
-#                              3. tools/bench/gpu.py --modes full (whole-model compile), if time is left
+#                              3. tools/bench/gpu.py --modes offload,taylorseer: staged vs unstaged under offload
+#                                 (the transformer's round trip per image vs per shard), TaylorSeer vs none
+#                              4. tools/bench/gpu.py --modes full (whole-model compile), if time is left
 #   tools/gpu_bench.sh dry     here, without a GPU: the same steps on the CPU at tiny sizes, with .venv's python
 #
 # With the device tool: run(command="bash tools/gpu_bench.sh", carry=[".whl"], timeout_s=600). It keeps within
@@ -49,12 +51,13 @@ step() { # step SECONDS LOG COMMAND...: run it under a time limit, its output to
 }
 
 run() {
-  local out="${OUT:-gpu-bench-out}" py=python3 dev=cuda mfu=() bench=(--images 64 --repeats 2)
+  # The speed part runs on the CPU (tiny model): on the GPU host, gpu.py's offload,taylorseer modes stand for it.
+  local out="${OUT:-gpu-bench-out}" py=python3 dev=cuda mfu=() bench=(--images 64 --repeats 2 --parts runner,memory,writer)
   mkdir -p "$out"
   if [[ ${1:-} == dry ]]; then
     py="${PYTHON:-.venv/bin/python}" dev=cpu mfu=(--dry-run)
     bench=(--images 6 --shard-size 2 --repeats 1 --mem-heads 2 --mem-layers 1 --mem-single-layers 1
-      --writer-size 256 --writer-images 4)
+      --writer-size 256 --writer-images 4 --speed-prompts 4 --offload-shard 4 --cache-images 1 --cache-steps 4)
   else
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || {
@@ -65,8 +68,10 @@ run() {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
   fi
   export PYTHONUNBUFFERED=1
-  step "$(allow 200 300)" "$out/mfu.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes eager,regional \
+  step "$(allow 200 420)" "$out/mfu.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes eager,regional \
     --out "$out/mfu.json"
+  step "$(allow 120 400)" "$out/staged_cache.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes offload,taylorseer \
+    --out "$out/staged_cache.json"
   step "$(allow 280 20)" "$out/bench.log" "$py" -m tools.bench --device "$dev" "${bench[@]}" \
     --writer-processes 1,2,8 --writer-repeats 1 --workdir /tmp --out "$out/bench.json"
   step "$(allow 300 5)" "$out/mfu_full.log" "$py" -m tools.bench.gpu "${mfu[@]}" --modes full \

@@ -14,6 +14,7 @@ from launcher.errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("eager", "defer_and_fuse", "compile")
+CACHES = ("none", "taylorseer", "first_block", "magcache")
 
 
 def preflight(cfg) -> None:
@@ -34,6 +35,7 @@ def check_settings(cfg) -> None:
         ("generate.max_sequence_length", g.max_sequence_length),
         ("generate.height", g.height),
         ("generate.width", g.width),
+        ("generate.images_per_prompt", g.images_per_prompt),
     ):
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
@@ -43,6 +45,7 @@ def check_settings(cfg) -> None:
         "model.dtype": (cfg.model.dtype, DTYPES),
         "execution.mode": (cfg.execution.mode, MODES),
         "execution.offload": (cfg.execution.offload, ("none", "model")),
+        "execution.cache": (cfg.execution.cache, CACHES),
         "device": (cfg.device, ("auto", "tpu", "cuda", "cpu")),
         "run.on_error": (r.on_error, ("continue", "abort")),
         "run.stale": (r.stale, ("error", "regenerate", "keep")),

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from launcher.models import family_of_folder
+from launcher.models import GENERIC, Family, family_of_folder
 
 
 def model_dir(path: str) -> Path:
@@ -37,7 +37,9 @@ def _looks_like_hub_id(path: str) -> bool:
 
 def check_model(cfg) -> None:
     if cfg.model.build and not Path(cfg.model.path).exists():
-        return  # built on first use (the tiny test model); its config is known to be sound
+        from launcher.models import builders
+
+        return check_cache(cfg, builders().get(cfg.model.build, GENERIC))  # built on first use: its config is sound
     root = model_dir(cfg.model.path)
     if not (root / "model_index.json").is_file():
         raise ConfigError(
@@ -45,6 +47,7 @@ def check_model(cfg) -> None:
             "point it at the pipeline's top folder"
         )
     _check_components(cfg.model.path, root)
+    check_cache(cfg, family_of_folder(root))
     if not Path(cfg.model.path).is_dir():
         # The whole pipeline is in the cache (just checked), so workers need no network: without this, each
         # rank asks the hub for updates, and hangs until a timeout where the hub cannot be reached.
@@ -145,3 +148,34 @@ def _check_heads(path: Path, tp: int, what: str, keys: tuple[str, ...], sharded:
         n = config.get(key)
         if sharded and n and n % tp:
             raise ConfigError(f"mesh.tp={tp} does not divide the {what}'s {key}={n}; use a tp that divides {n}")
+
+
+def check_cache(cfg, family: Family) -> None:
+    """execution.staged and execution.cache: declared by the model's family, and the cache's options accepted by
+    diffusers' config class."""
+    if cfg.execution.staged and family.encode is None:
+        raise ConfigError(
+            f"execution.staged=true is not supported for this model (family {family.name} declares no separate "
+            "prompt encoding); use execution.staged=false"
+        )
+    name = cfg.execution.cache
+    if name == "none":
+        return
+    if name not in family.caches:
+        raise ConfigError(
+            f"execution.cache={name} is not supported for this model (family {family.name}; supported: "
+            f"{', '.join(family.caches) or 'none'}); use execution.cache=none or one of those"
+        )
+    from omegaconf import OmegaConf
+
+    from launcher.worker.cache import CONFIG_CLASSES, cache_config
+
+    options = OmegaConf.to_container(cfg.execution.cache_options)
+    try:
+        cache_config(name, options, cfg.generate.num_inference_steps)
+    except (TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"execution.cache_options={options} are not accepted by diffusers' {CONFIG_CLASSES[name]} ({first}); "
+            "fix or remove them"
+        ) from None

@@ -43,12 +43,13 @@ class Plan:
     def status(self) -> dict[int, str]:
         return {s.index: s.status for s in self.shards}
 
-    def samples(self, indices) -> int:
+    def prompts(self, indices) -> int:
         return sum(self.shards[i].rows for i in indices)
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    return Source(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column, sizes)
+    d = cfg.dataset
+    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -92,7 +93,7 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table) -> str:
     # A shard done in full is done under any dataset.limit.
     if same_prompts(fp, table) or (whole is not table and same_prompts(fp, whole)):
         return "done"
-    n = state.get("rows", 0)
+    n = state.get("prompts", state.get("rows", 0))  # rows count images; "prompts" is there when they differ
     if n < table.num_rows and same_prompts(fp, table.slice(0, n)):
         return "grown"
     return "stale"

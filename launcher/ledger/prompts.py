@@ -42,6 +42,7 @@ class Source:
     prompt_column: str = "prompt"
     id_column: str | None = None
     sizes: SizeRule | None = None
+    images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,23 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if ids:
         _check_unique(pa.chunked_array(ids, pa.string()), src, files)
+        if src.images_per_prompt > 1:
+            from launcher.ledger.shards import check_sample_ids
+
+            check_sample_ids((i.as_py() for c in ids for i in c), src.images_per_prompt, f"dataset {src.path}")
 
 
-def read_prompts(path: str, prompt_column: str = "prompt", id_column: str | None = None, limit: int | None = None):
+def read_prompts(
+    path: str,
+    prompt_column: str = "prompt",
+    id_column: str | None = None,
+    limit: int | None = None,
+    images_per_prompt: int = 1,
+) -> list[dict]:
     """The rows as dicts (id, prompt, overrides present), for tools and tests; runs stream with read_batches."""
     check_limit(limit)
     rows = []
-    for b in read_batches(Source(path, prompt_column, id_column)):
+    for b in read_batches(Source(path, prompt_column, id_column, images_per_prompt=images_per_prompt)):
         rows += [{k: v for k, v in r.items() if v is not None} for r in b.to_pylist()]
         if limit is not None and len(rows) >= limit:
             break

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from launcher.errors import ConfigError
-from launcher.ledger.shards import settings, settings_fingerprint
+from launcher.ledger.shards import settings, settings_diff, settings_fingerprint
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, INDEX, STATE_DIR, WDS_DIR
 from launcher.ledger.store import Store
 
@@ -35,13 +35,7 @@ def check_run_json(store: Store, cfg) -> None:
     old = store.read_json("run.json")
     if old is None or old.get("fingerprint") == settings_fingerprint(cfg):
         return
-    new = settings(cfg)
-    diffs = [
-        f"{g}.{k}: {old['settings'].get(g, {}).get(k)!r} -> {v!r}"
-        for g, keys in new.items()
-        for k, v in keys.items()
-        if old["settings"].get(g, {}).get(k) != v
-    ]
+    diffs = settings_diff(old["settings"], settings(cfg))
     raise ConfigError(
         f"{store} holds a run made with other settings ({'; '.join(diffs)}); "
         "rerun with run.overwrite=true to discard it, or choose a new output.dir"

@@ -9,14 +9,31 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Settings that determine the images. Everything else (mesh, batch size, workers, execution mode,
 # dataset.limit, testing.*) only decides how the work is run, and may change between runs of one job.
 FINGERPRINT_KEYS = {
     "model": ("path", "dtype", "call_kwargs"),
-    "generate": ("height", "width", "num_inference_steps", "guidance_scale", "max_sequence_length", "seed"),
+    "generate": (
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "max_sequence_length",
+        "seed",
+        "images_per_prompt",
+    ),
     "run": ("shard_size",),
+    "execution": ("cache", "cache_options"),  # step caching changes the images; the other execution keys do not
+}
+# Keys added after runs were made: at these values they are left out of the settings, so that the folders of
+# older runs keep their fingerprints (a resume with the defaults is no change).
+LATER_DEFAULTS = {
+    ("generate", "images_per_prompt"): 1,
+    ("execution", "cache"): "none",
+    ("execution", "cache_options"): {},
 }
 
 
@@ -95,7 +112,27 @@ def same_prompts(fingerprint: str | None, table) -> bool:
 
 def settings(cfg) -> dict:
     """The settings that determine the images, as a plain dict (the part of run.json that is fingerprinted)."""
-    return {group: {k: _plain(cfg[group][k]) for k in keys} for group, keys in FINGERPRINT_KEYS.items()}
+    out = {}
+    for group, keys in FINGERPRINT_KEYS.items():
+        values = {k: _plain(cfg[group][k]) for k in keys}
+        values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
+        if values:
+            out[group] = values
+    return out
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    """`group.key: old -> new` for each fingerprinted setting that differs (a key left out reads as its default)."""
+
+    def get(s: dict, g: str, k: str):
+        return s.get(g, {}).get(k, LATER_DEFAULTS.get((g, k)))
+
+    return [
+        f"{g}.{k}: {get(old, g, k)!r} -> {get(new, g, k)!r}"
+        for g, keys in FINGERPRINT_KEYS.items()
+        for k in keys
+        if get(old, g, k) != get(new, g, k)
+    ]
 
 
 def settings_fingerprint(cfg) -> str:
@@ -120,6 +157,51 @@ def sample_seed(base_seed: int, sample_id: str) -> int:
 
 def row_seed(row: dict, base_seed: int) -> int:
     return int(row["seed"]) if row.get("seed") is not None else sample_seed(base_seed, row["id"])
+
+
+def sample_ids(prompt_id: str, images_per_prompt: int) -> list[str]:
+    """The ids of one prompt's samples: the prompt's id, or `<prompt id>-<k>` for k = 0..N-1 when N > 1."""
+    return [prompt_id] if images_per_prompt == 1 else [f"{prompt_id}-{k}" for k in range(images_per_prompt)]
+
+
+def image_seeds(row: dict, base_seed: int, images_per_prompt: int) -> list[int]:
+    """The seeds of one prompt's samples, in sample order.
+
+    With N > 1, each sample is seeded from its own id as usual; a row's own `seed` cannot seed N different
+    images, so it seeds them as a job seed would: sample k gets sha256("<row seed>:<k>").
+    """
+    if images_per_prompt == 1:
+        return [row_seed(row, base_seed)]
+    if row.get("seed") is not None:
+        return [sample_seed(int(row["seed"]), str(k)) for k in range(images_per_prompt)]
+    return [sample_seed(base_seed, i) for i in sample_ids(row["id"], images_per_prompt)]
+
+
+def check_sample_ids(prompt_ids: Iterable[str], images_per_prompt: int, where: str = "the dataset") -> None:
+    """Refuse prompt ids that a sample id of another prompt repeats (`a-1` beside `a` with N >= 2).
+
+    Sample ids themselves never coincide (k has no '-'), but a sample `a-1` beside a prompt `a-1` makes the
+    `id` and `prompt_id` columns ambiguous to anyone joining them back to the prompts. One pass, a set of ids.
+    """
+    if images_per_prompt == 1:
+        return
+    from launcher.errors import ConfigError
+
+    seen: set[str] = set()
+    for pid in prompt_ids:
+        base, _, k = pid.rpartition("-")
+        clash = None
+        if base and k.isdigit() and str(int(k)) == k and int(k) < images_per_prompt and base in seen:
+            clash = (base, pid)
+        else:
+            clash = next(((pid, s) for s in sample_ids(pid, images_per_prompt) if s in seen), None)
+        if clash:
+            raise ConfigError(
+                f"{where}: with generate.images_per_prompt={images_per_prompt}, prompt {clash[0]!r} has a sample "
+                f"id {clash[1]!r}, which is also the id of another prompt; rename one of them "
+                "(or use dataset.id_column)"
+            )
+        seen.add(pid)
 
 
 def preference(selected: list[int], slot: int, slots: int) -> list[int]:

@@ -37,6 +37,14 @@ class Family:
     token_ids: Callable = _last_tokenizer_ids
     call_kwargs: Callable[[dict], dict] = lambda kwargs: kwargs  # the call's quirks, applied to its kwargs
     build_tiny: Callable | None = None  # (out_dir) -> Path: its tiny random-weight pipeline
+    # Step caches (execution.cache) known to work on its transformer; none unless declared.
+    caches: tuple[str, ...] = ()
+    cache_context: str | None = None  # the context the runner opens around each call, where the pipeline opens none
+    # (pipe, latents of output_type="latent", height, width) -> images as numpy in [0, 1], as output_type="np"
+    # gives them: staged execution decodes a shard's latents in one pass of the VAE. None: the pipeline decodes.
+    decode_latents: Callable | None = None
+    # (pipe, call kwargs) -> the embedding kwargs that replace the prompt in a call; None: no staged execution.
+    encode: Callable | None = None
 
 
 GENERIC = Family("generic")

@@ -5,6 +5,7 @@ random-weight pipeline.
 - The prompt is wrapped in a chat template with a ~170-token system message, which counts towards
   `max_sequence_length`; truncation counts tokenize it the same way.
 - `text_encoder_out_layers` must be a tuple (YAML gives a list).
+- Step caches: TaylorSeer and MagCache work; the pipeline opens no cache context, so the runner opens "cond".
 - The tiny pipeline: the real checkpoints cannot be downloaded here, so tests and the demo run on the same
   classes and loading path as FLUX.2-dev with layer sizes small enough for two CPU cores. Every random draw is
   seeded, so two builds give identical weights and hence identical images.
@@ -138,6 +139,28 @@ def _call_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
+def _decode_latents(pipe, latents, height: int, width: int):
+    """What Flux2Pipeline does after its denoising loop, for latents it returned with output_type="latent"."""
+    import torch
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    grid = (height // (pipe.vae_scale_factor * 2), width // (pipe.vae_scale_factor * 2))
+    ids = pipe._prepare_latent_ids(torch.empty(latents.shape[0], latents.shape[2], *grid)).to(latents.device)
+    latents = pipe._unpack_latents_with_ids(latents, ids)
+    bn = pipe.vae.bn
+    mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents.device, latents.dtype)
+    latents = pipe._unpatchify_latents(latents * std + mean).to(get_module_execution_device(pipe.vae))
+    image = pipe.vae.decode(latents, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="np")
+
+
+def _encode(pipe, kwargs: dict) -> dict:
+    args = {k: kwargs[k] for k in ("max_sequence_length", "text_encoder_out_layers") if k in kwargs}
+    embeds, _ = pipe.encode_prompt(prompt=kwargs["prompt"], device=pipe._execution_device, **args)
+    return {"prompt_embeds": embeds}
+
+
 FAMILY = Family(
     "flux2",
     pipelines=("Flux2Pipeline",),
@@ -146,4 +169,9 @@ FAMILY = Family(
     token_ids=_token_ids,
     call_kwargs=_call_kwargs,
     build_tiny=build_tiny,
+    # FirstBlockCache raises a TypeError on its transformer in diffusers 0.42.1.
+    caches=("taylorseer", "magcache"),
+    cache_context="cond",  # Flux2Pipeline opens no cache context of its own
+    decode_latents=_decode_latents,
+    encode=_encode,
 )

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from jobs.text_to_image import count_truncated, make_batches, run_batch
+from jobs.staged import shard_steps
+from jobs.text_to_image import count_truncated, make_batches
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.ledger import states as ledger
 from launcher.ledger.claims import Claims
 from launcher.ledger.plan import PlanFile, plan_rel
-from launcher.ledger.shards import Shard, preference
+from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
+from launcher.worker.cache import apply_cache, digest
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.worker.execution import CompileStats, apply_compile, cache_hits
 from launcher.worker.pipeline import load_pipeline
@@ -101,6 +103,7 @@ def run_worker(cfg) -> int:
         writer = BackgroundWriter(store, cfg.output, n_enc, on_recorded=claims.release)
     w.pipe = pipe = load_pipeline(cfg, device, mesh)
     w.timer, w.writer = StageTimer(pipe, device), writer
+    apply_cache(pipe, cfg)
     apply_compile(pipe, cfg, device_type, w.compile_stats)
     code = EXIT_OK
     i = first
@@ -148,16 +151,21 @@ def _out_of_space(w: Worker) -> bool:
     return box[0]
 
 
-def _agree(groups: Groups, error: str | None) -> str | None:
-    """Exchange local errors within the tp group; every rank gets the first error (or None)."""
+def _agree(groups: Groups, error: str | None, mark: str | None = None) -> str | None:
+    """Exchange local errors within the tp group; every rank gets the first error (or None).
+
+    `mark`, when given, must be the same on every rank (a hash of the batch's images under step caching)."""
     if groups.tp_size == 1:  # alone: nobody to wait for
         return error
     errors = [None] * dist.get_world_size(groups.tp_control)
-    dist.all_gather_object(errors, error, group=groups.tp_control)
-    return next((e for e in errors if e), None)
+    dist.all_gather_object(errors, (error, mark), group=groups.tp_control)
+    first = next((e for e, _ in errors if e), None)
+    if first is None and len({m for _, m in errors}) > 1:
+        first = "RuntimeError: the ranks of a tp group computed different images (different step-cache decisions)"
+    return first
 
 
-def _warm_up(w: Worker, batch) -> float:
+def _warm_up(w: Worker, batch, step) -> float:
     """Compile mode: run each new batch shape once before timing it, so compile time is reported apart."""
     key = (*batch.shape[:2], len(batch.rows))
     if key in w.warmed:
@@ -166,7 +174,7 @@ def _warm_up(w: Worker, batch) -> float:
     if w.cfg.execution.mode != "compile":
         return 0.0
     t0, stages = time.perf_counter(), w.timer.take()
-    run_batch(w.pipe, batch, w.cfg, num_inference_steps=WARMUP_STEPS)
+    step(num_inference_steps=WARMUP_STEPS)
     w.timer.take()  # the warm-up's own stage times are not generation time
     w.timer.add(stages)
     seconds = time.perf_counter() - t0
@@ -179,36 +187,43 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     cfg, groups = w.cfg, w.groups
     inject = shard.index in cfg.testing.fail_shards and groups.tp_rank == cfg.mesh.tp - 1
     if groups.is_writer:
-        logger.info("shard %d: generating %d samples", shard.index, len(shard.rows))
+        logger.info("shard %d: generating %d prompts", shard.index, len(shard.rows))
         ledger.clean_tmp(w.store, shard.index)
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
     samples, error = [], None
-    for batch in make_batches(shard.rows, cfg.generate):
-        local = None
+    steps = shard_steps(w.pipe, make_batches(shard.rows, cfg.generate), cfg)
+    for batch, step in steps:
+        local = mark = None
         try:
-            warmup += _warm_up(w, batch)
-            samples += run_batch(w.pipe, batch, cfg)
+            warmup += _warm_up(w, batch, step) if batch is not None else 0.0
+            new = step()
+            samples += new
+            mark = digest(new) if new and cfg.execution.cache != "none" else None
             if inject:
                 raise InjectedFailure(f"testing.fail_shards: injected failure in shard {shard.index}")
         except Exception as e:  # any failure fails this shard only; the run goes on
             local = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        error = _agree(groups, local)
+        error = _agree(groups, local, mark)
         if error:
             break
+    steps.close()  # staged: the models back where the next shard expects them
     seconds = time.perf_counter() - start - warmup
     if w.writer is None:
         return error is None
     # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
     prompts = [r["prompt"] for r in shard.rows]
     truncated = None if error else count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
+    n = cfg.generate.images_per_prompt
+    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n)]
     state = {
         "status": "failed" if error else "done",
-        "rows": len(shard.rows),
+        "rows": len(ids),  # images
+        **({"prompts": len(shard.rows)} if n > 1 else {}),
         "prompts_fingerprint": shard.fingerprint,
         "run_id": w.run_id,
         "seconds": round(seconds, 4),
-        "images_per_s": None if error else round(len(shard.rows) / seconds, 3),
+        "images_per_s": None if error else round(len(ids) / seconds, 3),
         "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
         "compiles": w.compile_stats.compiles - compiles,
         "compile_cache_hits": cache_hits() - hits,
@@ -216,6 +231,6 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     }
     if error:
         state.update(error=error.splitlines()[0], traceback=error)
-    order = {r["id"]: k for k, r in enumerate(shard.rows)}
+    order = {sid: k for k, sid in enumerate(ids)}
     w.writer.submit(ShardJob(shard.index, shard.name, [] if error else samples, state, order))
     return error is None

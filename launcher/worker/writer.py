@@ -42,6 +42,15 @@ _HF_FEATURES = {
     "image": {"_type": "Image"},
 }
 SCHEMA = SCHEMA.with_metadata({"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})})
+# With generate.images_per_prompt > 1, samples also name their prompt (and N = 1 writes exactly what it did).
+_HF_FEATURES_N = {"id": _HF_FEATURES["id"], "prompt_id": {"dtype": "string", "_type": "Value"}, **_HF_FEATURES}
+SCHEMA_N = SCHEMA.insert(1, pa.field("prompt_id", pa.string())).with_metadata(
+    {"huggingface": json.dumps({"info": {"features": _HF_FEATURES_N}})}
+)
+
+
+def schema_of(samples: list[dict]) -> pa.Schema:
+    return SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
 
 
 def encode_png(pixels, encoder: str = "imagecodecs", level: int = 1) -> bytes:
@@ -65,13 +74,14 @@ def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) 
     """
     if output_cfg.png:
         store.put_folder(f"{IMAGES_DIR}/{shard_name}", {f"{file_stem(s['id'])}.png": s["png"] for s in samples})
+    schema = schema_of(samples)
     if output_cfg.parquet:
         rows = [
-            {**{k: s.get(k) for k in SCHEMA.names}, "image": {"bytes": s["png"], "path": f"{file_stem(s['id'])}.png"}}
+            {**{k: s.get(k) for k in schema.names}, "image": {"bytes": s["png"], "path": f"{file_stem(s['id'])}.png"}}
             for s in samples
         ]
         buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf, compression="zstd")
         store.write_bytes(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
     if output_cfg.webdataset:
         store.write_bytes(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples))
@@ -105,7 +115,7 @@ def webdataset_tar(samples: list[dict]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for s in samples:
-            meta = {k: s.get(k) for k in SCHEMA.names if k != "image"}
+            meta = {k: s.get(k) for k in schema_of(samples).names if k != "image"}
             for name, data in (
                 (f"{file_stem(s['id'])}.png", s["png"]),
                 (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True).encode()),

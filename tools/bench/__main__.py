@@ -15,6 +15,9 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
   random-weight FLUX.2 transformer the script builds (~130M parameters, 520 MB float32). `weights private` is
   the rank's private memory (RssAnon plus its local parameters that are file-mapped) less its baseline before
   loading; the ratio tp=2 / tp=1 has a target of <= 0.6.
+- speed (tools/bench/speed.py): images per prompt (N=1 and N=4 runner vs a bare loop), staged execution with
+  offload (weight bytes moved per image against enable_model_cpu_offload), the text encoder parked while
+  denoising (resident weights), TaylorSeer against no cache at 20 and 50 steps (time and pixel difference).
 - writer (tools/bench/writer.py): PNG encoding throughput for photographic-like 1024x1024 images through a
   spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL, levels
   1 and 6 (targets: >= 6 images/s per process for the default imagecodecs level 1, >= 1.8x that with 2).
@@ -37,10 +40,11 @@ from pathlib import Path
 
 from tools.bench.memory import bench_memory
 from tools.bench.runner import bench_runner
+from tools.bench.speed import bench_speed
 from tools.bench.table import format_table
 from tools.bench.writer import bench_writer
 
-PARTS = ("runner", "memory", "writer")
+PARTS = ("runner", "memory", "writer", "speed")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -64,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--steps", type=int, default=8)
     g.add_argument("--batch-size", type=int, default=1)
     g.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both, on CPU")
+    g = p.add_argument_group("speed (also uses --shard-size, --height, --width, --steps, --threads)")
+    g.add_argument("--speed-prompts", type=int, default=32, help="prompts of the N=1 / N=4 runner-vs-bare jobs")
+    g.add_argument("--offload-shard", type=int, default=256, help="prompts in the staged+offload shard")
+    g.add_argument("--cache-images", type=int, default=4, help="images per setting of the cache comparison")
+    g.add_argument("--cache-steps", type=_ints, default=(20, 50))
     g = p.add_argument_group("memory")
     g.add_argument("--mem-heads", type=int, default=8, help="attention heads of 128 (width = heads x 128)")
     g.add_argument("--mem-layers", type=int, default=2)
@@ -121,6 +130,13 @@ def run(args: argparse.Namespace) -> dict:
                 threads=args.threads,
                 workdir=tmp,
             )
+        if "speed" in args.parts:
+            model = args.model
+            if model is None:
+                from launcher.models.flux2 import build_tiny as build_tiny_flux2
+
+                model = str(build_tiny_flux2(Path(tmp) / "tiny-flux2-speed"))
+            result["speed"] = bench_speed(model, args, tmp)
         if "memory" in args.parts:
             result["memory"] = bench_memory(args.mem_heads, args.mem_layers, args.mem_single_layers, tmp)
         if "writer" in args.parts:

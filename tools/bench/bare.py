@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from launcher.config import load_config
     from launcher.ledger.prompts import read_prompts
-    from launcher.ledger.shards import row_seed
+    from launcher.ledger.shards import image_seeds
     from launcher.worker.dist import resolve_device
     from launcher.worker.pipeline import DTYPES
 
@@ -52,11 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     extra = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(cfg.model.call_kwargs).items()}
     t_loaded = time.time()
     seconds, images, t_first = [], [], None
+    n = gen.images_per_prompt  # what a user writes by hand: pipe(num_images_per_prompt=N) per prompt
     for row in rows:
         t0 = time.perf_counter()
         out = pipe(
             prompt=[row["prompt"]],
-            generator=[torch.Generator("cpu").manual_seed(row_seed(row, gen.seed))],
+            **({"num_images_per_prompt": n} if n > 1 else {}),
+            generator=[torch.Generator("cpu").manual_seed(s) for s in image_seeds(row, gen.seed, n)],
             height=gen.height,
             width=gen.width,
             num_inference_steps=gen.num_inference_steps,
@@ -69,14 +71,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.accelerator.synchronize()
         seconds.append(time.perf_counter() - t0)
         t_first = t_first or time.time()
-        images.append(out.images[0])
+        images.extend(out.images)
     result = {
         "t_start": T_START,
         "t_imports": t_imports,
         "t_loaded": t_loaded,
         "t_first_image": t_first,
         "t_end": time.time(),
-        "seconds": seconds,
+        "seconds": seconds,  # per call, i.e. per prompt: images_per_prompt images each
+        "images_per_prompt": n,
         "images_sha256": images_digest(images),
         "threads": torch.get_num_threads(),
     }

@@ -13,7 +13,11 @@ and H200 SXM); it is also given against an 8192^3 bf16 matmul measured on the sa
 
 Modes: `eager`; `regional` (`compile_repeated_blocks`: each block class compiled once, fast to compile);
 `full` (`torch.compile` of the whole transformer, fullgraph, static shapes: the runner's compile mode, slower to
-compile). Inputs are random, never zeros. Timing: device synchronized, median of `--steps` steps after warm-up.
+compile); `offload`: the transformer's off-and-on round trip, and from it the per-image cost of a 4-step image
+under model offload, unstaged (one round trip per image) against staged (one per shard of 256); `taylorseer`: a
+20-step loop without and with TaylorSeer (diffusers' defaults), time and relative output difference (random
+weights: says nothing of image quality). Inputs are random, never zeros. Timing: device synchronized, median
+of `--steps` steps after warm-up.
 """
 
 from __future__ import annotations
@@ -133,6 +137,62 @@ def matmul_tflops(device: str, n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
+def offload_round_trip(model, device: str) -> dict:
+    """Seconds to move the transformer off the chip and back: what enable_model_cpu_offload pays per call for it,
+    and staged execution once per shard. The weights go to pinned host memory, as accelerate's hooks leave them."""
+    import torch
+
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    _sync(device)
+    t0 = time.perf_counter()
+    model.to("cpu")
+    t1 = time.perf_counter()
+    model.to(device)
+    _sync(device)
+    t2 = time.perf_counter()
+    torch.cuda.empty_cache() if device == "cuda" else None
+    return {"bytes": nbytes, "to_host_s": t1 - t0, "to_chip_s": t2 - t1, "round_trip_s": t2 - t0}
+
+
+def staged_vs_unstaged(step_s: float, trip: dict, steps: int = 4, shard: int = 256) -> dict:
+    """Per image with model offload: unstaged moves the transformer on and off per image, staged once per shard."""
+    unstaged = steps * step_s + trip["round_trip_s"]
+    staged = steps * step_s + trip["round_trip_s"] / shard
+    return {"steps": steps, "shard": shard, "unstaged_s_per_image": unstaged, "staged_s_per_image": staged,
+            "ratio": staged / unstaged}  # fmt: skip
+
+
+def cache_steps(model, kwargs: dict, device: str, steps: int) -> dict:
+    """A denoising-like loop of `steps` forwards (timestep falling), without and with TaylorSeer (defaults):
+    seconds per loop and the relative difference of the last output."""
+    import torch
+    from diffusers import TaylorSeerCacheConfig
+
+    def loop():
+        x, outs = kwargs["hidden_states"], None
+        with torch.inference_mode(), model.cache_context("cond"):
+            _sync(device)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                t = torch.full_like(kwargs["timestep"], 1 - i / steps)
+                outs = model(**{**kwargs, "hidden_states": x, "timestep": t})[0]
+                x = x - outs / steps
+            _sync(device)
+        return time.perf_counter() - t0, x.float()
+
+    loop()  # warm-up
+    plain_s, plain = loop()
+    model.enable_cache(TaylorSeerCacheConfig())
+    try:
+        loop()
+        cached_s, cached = loop()
+    finally:
+        model.disable_cache()
+    rel = float((cached - plain).abs().mean() / plain.abs().mean())
+    return {"steps": steps, "none_s": plain_s, "taylorseer_s": cached_s, "ratio": cached_s / plain_s,
+            "mean_rel_diff": rel}  # fmt: skip
+
+
 def peak_tflops(device: str, override: float | None) -> float | None:
     import torch
 
@@ -170,7 +230,19 @@ def run(args: argparse.Namespace) -> dict:
     result["build_s"] = time.perf_counter() - t0
     result["params"] = sum(p.numel() for p in model.parameters())
     kwargs = inputs(cfg, grid, txt, device, dtype)
-    for mode in args.modes:
+    for mode in [m for m in args.modes if m in ("offload", "taylorseer")]:  # eager, before any compile
+        if mode == "offload":
+            r = time_steps(model, kwargs, device, warmup=1, steps=2 if dry else 3)
+            trip = offload_round_trip(model, device)
+            result["staged"] = {"step_s": r["step_s"], "offload": trip, **staged_vs_unstaged(r["step_s"], trip)}
+            print(f"  offload: transformer {trip['bytes'] / 2**30:.1f} GiB off and on in {trip['round_trip_s']:.2f} s; "
+                  f"4-step image with offload: unstaged {result['staged']['unstaged_s_per_image']:.3f} s, "
+                  f"staged {result['staged']['staged_s_per_image']:.3f} s", flush=True)  # fmt: skip
+        else:
+            c = result["cache"] = cache_steps(model, kwargs, device, 4 if dry else 20)
+            print(f"  cache: {c['steps']} steps none {c['none_s']:.2f} s, taylorseer {c['taylorseer_s']:.2f} s "
+                  f"(x{c['ratio']:.2f}), mean relative difference {c['mean_rel_diff']:.4f}", flush=True)  # fmt: skip
+    for mode in [m for m in args.modes if m not in ("offload", "taylorseer")]:
         if mode == "regional":
             model.compile_repeated_blocks(fullgraph=True, dynamic=False)
         elif mode == "full":
@@ -193,7 +265,9 @@ def run(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_mfu.json")
-    p.add_argument("--modes", default="eager,regional", help="comma-separated: eager, regional, full")
+    p.add_argument(
+        "--modes", default="eager,regional", help="comma-separated: eager, regional, full, offload, taylorseer"
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (compiles happen here)")
     p.add_argument("--grid", type=int, default=64, help="image tokens per side (1024 px / 8 / 2 = 64)")
@@ -202,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny config on the CPU")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = set(args.modes) - {"eager", "regional", "full"}
+    bad = set(args.modes) - {"eager", "regional", "full", "offload", "taylorseer"}
     if bad:
         p.error(f"unknown modes {sorted(bad)}")
     return args

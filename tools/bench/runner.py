@@ -107,7 +107,7 @@ def runner_digest(out: Path) -> str:
 
     rows = [r for f in sorted((out / "data").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     h = hashlib.sha256()
-    for r in sorted(rows, key=lambda r: int(r["id"])):
+    for r in sorted(rows, key=lambda r: tuple(int(x) for x in r["id"].split("-"))):  # "<prompt>-<k>" with N > 1
         h.update(np.asarray(Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB")).tobytes())
     return h.hexdigest()
 

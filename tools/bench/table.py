@@ -89,12 +89,74 @@ def writer_lines(w: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _check(value: float, op: str, bound: float) -> str:
+    return f"target {op} {bound:g}: {'met' if (value <= bound if op == '<=' else value >= bound) else 'MISSED'}"
+
+
+def speed_lines(s: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for k, bound in (("n1", 1.03), ("n4", 1.0)):
+        r = s["n"][k]
+        rows.append(
+            (
+                f"{k}: runner / bare s/image",
+                f"{r['runner_s_per_image']:.4f}",
+                f"{r['bare_s_per_image']:.4f}",
+                f"ratio {r['ratio']:.3f}, {_check(r['ratio'], '<=', bound)}; same images {r['same_images']}",
+            )
+        )
+    o = s["offload"]
+    rows += [
+        (
+            "offload: bytes moved/image bare",
+            f"{o['bare']['bytes_per_image']:.0f}",
+            "",
+            f"{o['prompts']} prompts, enable_model_cpu_offload per call",
+        ),
+        (
+            "offload: bytes moved/image staged",
+            f"{o['staged']['bytes_per_image']:.0f}",
+            "",
+            f"ratio {o['bytes_ratio']:.4f}, {_check(o['bytes_ratio'], '<=', 1 / 50)}",
+        ),
+        (
+            "offload: s/image bare / staged",
+            f"{o['bare']['s_per_image']:.4f}",
+            f"{o['staged']['s_per_image']:.4f}",
+            f"time ratio {o['time_ratio']:.3f}",
+        ),
+    ]
+    r = s["release"]
+    rows.append(
+        (
+            "resident weights denoising: kept / parked",
+            f"{r['kept']['weights'] / 2**10:.0f}",
+            f"{r['released']['weights'] / 2**10:.0f}",
+            f"KiB, ratio {r['ratio']:.3f}",
+        )
+    )
+    for key, c in s["cache"].items():
+        note = f"ratio {c['time_ratio']:.3f}; max pixel diff {c['max_pixel_diff']}"
+        if key == "steps_20":
+            note += "; " + _check(c["time_ratio"], "<=", 0.85)
+        rows.append(
+            (
+                f"taylorseer / none s/image, {key.replace('_', ' ')}",
+                f"{c['taylorseer']['s_per_image']:.4f}",
+                f"{c['none']['s_per_image']:.4f}",
+                note,
+            )
+        )
+    return rows  # fmt: skip
+
+
 def format_table(result: dict) -> str:
     rows = [("metric", "median", "min-max", "note")]
     env = result["environment"]
     load = f"load {env['loadavg_start'][0]:.2f} -> {env.get('loadavg_end', [0])[0]:.2f}"
     rows.append((f"{env['cpus']} CPUs, torch {env['torch']}", env.get("cuda") or "no GPU", "", load))
-    for part, lines in (("runner", runner_lines), ("memory", memory_lines), ("writer", writer_lines)):
+    parts = (("runner", runner_lines), ("memory", memory_lines), ("writer", writer_lines), ("speed", speed_lines))
+    for part, lines in parts:
         if part in result:
             rows.append((f"-- {part}", "", "", ""))
             rows += lines(result[part])

@@ -1,0 +1,130 @@
+"""A shard's work as steps: one per batch, or staged (encode every prompt, then denoise, then decode).
+
+Unstaged, each step is one pipeline call. Staged (`execution.staged`), the shard's prompts are encoded first
+(the family's `encode`, in the same batches), then every batch is denoised from its embeddings
+(`prompt_embeds=...`, `output_type="latent"`), then every batch is decoded by the VAE (the family's
+`decode_latents`; without one the pipeline decodes each batch itself). The computation is the same, batch for
+batch, so the images equal the unstaged ones.
+
+Why: each model then runs as one stretch per shard.
+- With `execution.offload=model`, accelerate's hooks move a model to the chip when it runs and the previous one
+  off it; between the stages nothing else runs, so each model moves once per shard instead of once per call.
+  The pipeline's own "free the models" at the end of each call is held back until the shard's end.
+- Without offload (and on tensor-parallel meshes, where offload is refused), `execution.release_text_encoder`
+  parks the model a stage does not use in host memory (launcher/worker/residency.py): the transformer while
+  the text encoder encodes, the text encoder while the transformer denoises. The chip then holds at most
+  max(text encoder, transformer) + VAE of weights instead of their sum, at the cost of moving both across
+  once per shard. (Loading still holds both for a moment.)
+Embeddings wait in host memory between the stages (FLUX.2: ~15 MB per prompt at 512 tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from jobs.text_to_image import _family, cache_context, pipeline_kwargs, run_batch
+from launcher.worker.residency import park, unpark
+
+logger = logging.getLogger(__name__)
+
+
+def shard_steps(pipe, batches: list, cfg):
+    """Yield (batch or None, step) pairs; `step(num_inference_steps=None)` returns the samples it finished.
+
+    A batch comes with the step that denoises it, for the compile warm-up. Close the generator when stopping
+    early: it puts the models back as they were.
+    """
+    if not cfg.execution.staged:
+        for b in batches:
+            yield b, functools.partial(run_batch, pipe, b, cfg)
+        return
+    yield from _staged(pipe, batches, cfg)
+
+
+class _Swap:
+    """Which model is parked: none, the text encoder, or the transformer (one per pipeline, kept across shards)."""
+
+    def __init__(self, pipe):
+        self.pipe, self.parked, self.which = pipe, None, None
+
+    def only(self, name: str) -> None:
+        """Keep `name` on the chip and park the other one of text_encoder / transformer."""
+        other = "transformer" if name == "text_encoder" else "text_encoder"
+        if self.which == other:
+            return
+        if self.parked is not None:
+            unpark(self.parked)
+        model = getattr(self.pipe, other, None)
+        self.parked, self.which = (park(model), other) if model is not None else (None, None)
+
+    def restore(self) -> None:
+        if self.parked is not None:
+            unpark(self.parked)
+        self.parked = self.which = None
+
+
+_SWAPS: dict[int, _Swap] = {}  # one pipeline per worker process; its parked model stays parked between shards
+
+
+def _swap_of(pipe) -> _Swap:
+    return _SWAPS.setdefault(id(pipe), _Swap(pipe))
+
+
+def _staged(pipe, batches: list, cfg):
+    fam = _family(type(pipe))
+    offload = cfg.execution.offload == "model"
+    swap = _swap_of(pipe) if cfg.execution.release_text_encoder and not offload else None
+    free_models = pipe.maybe_free_model_hooks
+    # Within the shard, a call's end only resets the step cache's state; the models stay where they are.
+    pipe.maybe_free_model_hooks = lambda: [
+        c._reset_stateful_cache() for c in pipe.components.values() if hasattr(c, "_reset_stateful_cache")
+    ]
+    embeds: dict[int, dict] = {}
+    latents: dict[int, object] = {}
+    try:
+        if swap:
+            swap.only("text_encoder")
+        for i, b in enumerate(batches):
+
+            @torch.no_grad()
+            def encode(i=i, b=b, **_):
+                kwargs = pipeline_kwargs(pipe, b, cfg)
+                embeds[i] = {k: v.to("cpu") for k, v in fam.encode(pipe, kwargs).items()}
+                return []
+
+            yield None, encode
+        if swap:
+            swap.only("transformer")
+        for i, b in enumerate(batches):
+
+            def denoise(i=i, b=b, num_inference_steps=None):
+                kwargs = pipeline_kwargs(pipe, b, cfg)
+                for k in ("prompt", "negative_prompt"):
+                    kwargs.pop(k, None)
+                device = pipe._execution_device
+                kwargs.update({k: v.to(device) for k, v in embeds[i].items()})
+                if num_inference_steps is not None:
+                    kwargs["num_inference_steps"] = num_inference_steps
+                kwargs["output_type"] = "latent" if fam.decode_latents else "np"
+                with cache_context(pipe):
+                    latents[i] = pipe(**kwargs).images
+                return []
+
+            yield b, denoise
+        embeds.clear()
+        for i, b in enumerate(batches):
+
+            @torch.no_grad()
+            def decode(i=i, b=b, **_):
+                out = latents.pop(i)
+                images = fam.decode_latents(pipe, out, b.shape[0], b.shape[1]) if fam.decode_latents else out
+                return [{**s, "model": cfg.model.path} for s in b.samples(images)]
+
+            yield None, decode
+    finally:
+        del pipe.maybe_free_model_hooks  # the class's own again
+        if offload:
+            free_models()  # every model off the chip at the shard's end, as after an unstaged call

@@ -1,0 +1,158 @@
+"""Images per prompt, staged execution and step caching, through launch.sh on the tiny FLUX.2, images read back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import launch, pixels, read_rows
+
+from launcher.config import load_config
+from launcher.errors import ConfigError
+from launcher.ledger.shards import check_sample_ids, settings, settings_fingerprint
+
+IDS = ["cat", "dog", "a-5", "tree", "sky"]  # 3 shards of 2 prompts, the last one padded
+N = 2
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("speed") / "p.jsonl"
+    path.write_text("".join(json.dumps({"key": i, "prompt": f"a photo of {i}"}) + "\n" for i in IDS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def job(run_job, prompts):
+    def run(*extra: str):
+        base = (
+            f"dataset.path={prompts}",
+            "dataset.id_column=key",
+            "run.shard_size=2",
+            f"generate.images_per_prompt={N}",
+        )
+        return run_job(*base, *extra)
+
+    return run
+
+
+def _seed(sample_id: str) -> int:  # the contract's rule, written out again
+    return int.from_bytes(hashlib.sha256(f"0:{sample_id}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _diff(a, b) -> int:
+    ra, rb = read_rows(a), read_rows(b)
+    assert ra.keys() == rb.keys()
+    return max(int(np.abs(pixels(ra[k]["image"]["bytes"]) - pixels(rb[k]["image"]["bytes"])).max()) for k in ra)
+
+
+def test_n_images_per_prompt_equal_the_bare_diffusers_call(job, tiny_model):
+    from diffusers import Flux2Pipeline
+
+    out = job("mesh.tp=1", "generate.batch_size=1")
+    rows = read_rows(out)
+    assert sorted(rows) == sorted(f"{i}-{k}" for i in IDS for k in range(N))
+    assert all(r["prompt_id"] == r["id"].rsplit("-", 1)[0] and r["seed"] == _seed(r["id"]) for r in rows.values())
+    state = json.loads((out / "state" / "shard-00002.json").read_text())
+    assert (state["rows"], state["prompts"]) == (N, 1)  # images, and the prompts they came from
+    pipe = Flux2Pipeline.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1): bitwise equal, not just close
+    try:
+        for pid in IDS:
+            ids = [f"{pid}-{k}" for k in range(N)]
+            images = pipe(
+                prompt=f"a photo of {pid}",
+                num_images_per_prompt=N,
+                generator=[torch.Generator("cpu").manual_seed(_seed(i)) for i in ids],
+                height=64,
+                width=64,
+                num_inference_steps=4,
+                guidance_scale=4.0,
+                max_sequence_length=256,
+                text_encoder_out_layers=(1, 2),
+                output_type="np",
+            ).images
+            for i, image in zip(ids, images, strict=True):
+                assert np.array_equal(pixels(rows[i]["image"]["bytes"]), (image * 255).round().astype(np.int16)), i
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dp_batch_size_staging_and_offload_change_no_image(job):
+    ref = job("mesh.tp=1", "generate.batch_size=1")
+    other = job("mesh.tp=1", "mesh.dp=2", "generate.batch_size=2", "execution.staged=true", "execution.offload=model")
+    assert _diff(ref, other) <= 2
+
+
+def test_staged_on_a_tp_mesh_parks_models_and_matches(job):
+    assert _diff(job("mesh.tp=1", "generate.batch_size=1"), job("execution.staged=true")) <= 2
+
+
+def test_taylorseer_changes_the_images_and_every_tp_rank_agrees(job):
+    # At tp=2: a run whose ranks took different cache decisions fails its shards (launch would exit 3).
+    options = ("+execution.cache_options.cache_interval=2", "+execution.cache_options.disable_cache_before_step=1")
+    cached = job("execution.cache=taylorseer", *options)
+    assert 0 < _diff(job("execution.staged=true"), cached)
+
+
+def test_resuming_with_another_n_or_cache_exits_2(job, tiny_model):
+    out = job("mesh.tp=1", "generate.batch_size=1")
+    base = [f"model.path={tiny_model}", f"output.dir={out}", "mesh.tp=1"]
+    res = launch(*base, "generate.images_per_prompt=3")
+    assert res.returncode == 2 and "generate.images_per_prompt: 2 -> 3" in res.stderr, res.stderr[-2000:]
+    res = launch(*base, f"generate.images_per_prompt={N}", "execution.cache=taylorseer")
+    assert res.returncode == 2 and "execution.cache: 'none' -> 'taylorseer'" in res.stderr, res.stderr[-2000:]
+
+
+def test_unsupported_cache_and_colliding_ids_are_refused(tiny_model, tmp_path):
+    res = launch(f"model.path={tiny_model}", f"output.dir={tmp_path / 'a'}", "execution.cache=first_block")
+    assert res.returncode == 2 and "execution.cache=first_block is not supported" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    (tmp_path / "p.txt").write_text("x\n")
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"key": k, "prompt": "p"}) + "\n" for k in ("a", "b", "a-1")))
+    res = launch(
+        f"model.path={tiny_model}", f"output.dir={tmp_path / 'b'}", f"dataset.path={src}", "dataset.id_column=key",
+        "generate.images_per_prompt=2",
+    )  # fmt: skip
+    assert res.returncode == 2 and "prompt 'a' has a sample id 'a-1'" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "b").exists()
+
+
+def test_sample_id_collisions_in_either_order():
+    check_sample_ids(["a", "a-1"], 1)
+    check_sample_ids(["a", "a-2", "a-01", "b-1"], 2)  # a-2 and a-01 are not samples of a with N=2
+    for ids in (["a", "a-1"], ["a-1", "a"], ["a-0", "x", "a"]):
+        with pytest.raises(ConfigError, match="is also the id of another prompt"):
+            check_sample_ids(ids, 2)
+
+
+def test_defaults_keep_old_fingerprints_and_n_or_cache_change_them():
+    cfg = load_config("tiny")
+    assert "images_per_prompt" not in settings(cfg)["generate"] and "execution" not in settings(cfg)
+    fps = {settings_fingerprint(load_config("tiny", o)) for o in ([], ["generate.images_per_prompt=2"])}
+    fps |= {settings_fingerprint(load_config("tiny", ["execution.cache=taylorseer"]))}
+    fps |= {settings_fingerprint(load_config("tiny", ["execution.staged=true", "generate.batch_size=7"]))}
+    assert len(fps) == 3  # staging and batch size decide how, not what
+
+
+def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
+    from launcher.worker import runner
+
+    def gather(out, obj, group=None):  # the peer saw other images
+        out[:] = [obj, (None, "other")]
+
+    monkeypatch.setattr(runner.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(runner.dist, "all_gather_object", gather)
+    groups = types.SimpleNamespace(tp_size=2, tp_control=None)
+    assert "different step-cache decisions" in runner._agree(groups, None, "mine")
+    monkeypatch.setattr(
+        runner.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj])
+    )
+    assert runner._agree(groups, None, "same") is None
