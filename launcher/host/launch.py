@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         ensure_model(cfg)
         mesh = mesh or plan_mesh_now(cfg, device)
+        preflight(cfg)  # first: a refusal is the run's only line
         for line in (mesh.line(), *mesh.why):
             logger.info(line.removeprefix("# mesh: "))
-        preflight(cfg)
         if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
             set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
         plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)

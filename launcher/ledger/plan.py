@@ -53,37 +53,43 @@ def source(cfg, sizes: SizeRule | None = None) -> Source:
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
-    """(index, the shard's rows within dataset.limit, its whole rows), shard by shard, in order."""
+    """(index, the shard's rows within dataset.limit, its whole rows), shard by shard, in order.
+
+    A shard inside one batch is a zero-copy slice of it; only a shard that straddles two batches is copied."""
     check_limit(limit)
-    pending: list[pa.RecordBatch] = []
-    have, index, seen = 0, 0, 0
+    carry: pa.Table | None = None  # rows read but not yet a whole shard
+    index = 0
     for batch in read_batches(src):
-        pending.append(batch)
-        have += batch.num_rows
-        while have >= shard_size:
-            table, pending, have = _take(pending, shard_size, have)
-            yield from _limited(index, table, seen, limit)
-            seen, index = seen + shard_size, index + 1
-            if limit is not None and seen >= limit:
+        t, pos = pa.Table.from_batches([batch]), 0
+        if carry is not None:
+            pos = shard_size - carry.num_rows
+            carry = pa.concat_tables([carry, t.slice(0, pos)]).combine_chunks()
+            if carry.num_rows < shard_size:
+                continue
+            t_shard, carry = carry, None
+            yield from _limited(index, t_shard, shard_size, limit)
+            index += 1
+        while t.num_rows - pos >= shard_size:
+            if limit is not None and index * shard_size >= limit:
                 return
-    if have:
-        table, _, _ = _take(pending, have, have)
-        yield from _limited(index, table, seen, limit)
+            yield from _limited(index, t.slice(pos, shard_size), shard_size, limit)
+            index, pos = index + 1, pos + shard_size
+        if limit is not None and index * shard_size >= limit:
+            return
+        carry = t.slice(pos) if pos < t.num_rows else None
+    if carry is not None:
+        yield from _limited(index, carry, shard_size, limit)
 
 
-def _take(batches: list[pa.RecordBatch], n: int, have: int) -> tuple[pa.Table, list, int]:
-    table = pa.Table.from_batches(batches)
-    return table.slice(0, n).combine_chunks(), table.slice(n).to_batches(), have - n
-
-
-def _limited(index: int, table: pa.Table, seen: int, limit: int | None):
+def _limited(index: int, table: pa.Table, shard_size: int, limit: int | None):
+    seen = index * shard_size
     if limit is None or seen + table.num_rows <= limit:
         yield index, table, table
     elif seen < limit:
         yield index, table.slice(0, limit - seen), table
 
 
-def shard_status(state: dict | None, table: pa.Table, whole: pa.Table) -> str:
+def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerprint: str) -> str:
     """done | failed | pending | stale (done, but its prompts changed) | grown (done, and rows were appended)."""
     if state is None:
         return "pending"
@@ -91,7 +97,7 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table) -> str:
         return "failed"
     fp = state.get("prompts_fingerprint")
     # A shard done in full is done under any dataset.limit.
-    if same_prompts(fp, table) or (whole is not table and same_prompts(fp, whole)):
+    if same_prompts(fp, table, fingerprint) or (whole is not table and same_prompts(fp, whole)):
         return "done"
     n = state.get("prompts", state.get("rows", 0))  # rows count images; "prompts" is there when they differ
     if n < table.num_rows and same_prompts(fp, table.slice(0, n)):
@@ -101,10 +107,10 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table) -> str:
 
 def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Plan:
     """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source)."""
-    shards = [
-        ShardPlan(i, t.num_rows, prompts_fingerprint(t), shard_status(states.get(i), t, whole))
-        for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit)
-    ]
+    shards = []
+    for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+        fp = prompts_fingerprint(t)
+        shards.append(ShardPlan(i, t.num_rows, fp, shard_status(states.get(i), t, whole, fp)))
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
