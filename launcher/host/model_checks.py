@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from launcher.models import family_of_folder
+from launcher.host.family_checks import check_family, tiny_family
+from launcher.models import family_of_folder, pipeline_class
 
 
 def model_dir(path: str) -> Path:
@@ -37,7 +38,9 @@ def _looks_like_hub_id(path: str) -> bool:
 
 def check_model(cfg) -> None:
     if cfg.model.build and not Path(cfg.model.path).exists():
-        return  # built on first use (the tiny test model); its config is known to be sound
+        fam = tiny_family(cfg)  # built on first use (a tiny test model); its config is known to be sound
+        check_family(cfg, fam, f"the tiny {fam.pipelines[0]}")
+        return
     root = model_dir(cfg.model.path)
     if not (root / "model_index.json").is_file():
         raise ConfigError(
@@ -45,15 +48,17 @@ def check_model(cfg) -> None:
             "point it at the pipeline's top folder"
         )
     _check_components(cfg.model.path, root)
+    check_family(cfg, family_of_folder(root), pipeline_class(root) or "this pipeline")
     if not Path(cfg.model.path).is_dir():
         # The whole pipeline is in the cache (just checked), so workers need no network: without this, each
         # rank asks the hub for updates, and hangs until a timeout where the hub cannot be reached.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if cfg.mesh.tp > 1:
         te_keys = ("num_attention_heads", "num_key_value_heads")
+        fam = family_of_folder(root)
         for part, keys, sharded in (
-            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer),
-            ("text_encoder", te_keys, cfg.model.shard_text_encoder),
+            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer and fam.tp_transformer),
+            ("text_encoder", te_keys, cfg.model.shard_text_encoder and fam.tp_text_encoder),
         ):
             _check_heads(root / part / "config.json", cfg.mesh.tp, part.replace("_", " "), keys, sharded)
     vae = _read(root / "vae" / "config.json")

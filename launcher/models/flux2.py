@@ -12,15 +12,10 @@ random-weight pipeline.
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from launcher.models import Family
-
-logger = logging.getLogger(__name__)
 
 # A fixed byte-level vocabulary (no merges) needs no training corpus, so the tokenizer is the same every time.
 _SPECIAL = ["<pad>", "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
@@ -54,7 +49,8 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    out = Path(out_dir)
+    from launcher.models._tiny import save_atomically
+
     tokenizer, vocab_size = _tokenizer()
     torch.manual_seed(0)
     # 4 heads, 2 KV heads: tp=2 divides both, like the real encoder's 32/8 at tp=8.
@@ -114,16 +110,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    try:
-        tmp.rename(out)
-    except OSError:
-        # Another process built it first; theirs is identical (same seeds), so keep it.
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("built the tiny FLUX.2 pipeline in %s", out)
-    return out
+    return save_atomically(pipe, out_dir, "FLUX.2")
 
 
 def _token_ids(pipe, prompts: list[str]) -> list[list[int]]:
@@ -146,4 +133,5 @@ FAMILY = Family(
     token_ids=_token_ids,
     call_kwargs=_call_kwargs,
     build_tiny=build_tiny,
+    tp_text_encoder=True,
 )
