@@ -40,6 +40,8 @@ class Family:
     # What a job may ask of it, checked at preflight (issue 15):
     tp_text_encoder: bool = False  # transformers has a tensor-parallel plan for its (first) text encoder
     max_pixels: int = 4 * 1024 * 1024  # the largest height x width a row may ask for
+    # packages beyond the base dependencies that its real checkpoint needs to load (in the cuda and tpu extras)
+    requires: tuple[str, ...] = ()
 
 
 GENERIC = Family("generic")

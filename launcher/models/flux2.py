@@ -134,4 +134,5 @@ FAMILY = Family(
     call_kwargs=_call_kwargs,
     build_tiny=build_tiny,
     tp_text_encoder=True,
+    requires=("torchvision",),  # its tokenizer is a PixtralProcessor (transformers 5.23)
 )

@@ -41,6 +41,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
             max_position_embeddings=2048,
             rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [1, 1, 2]},
             pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.eos_token_id,  # the real one's too: no separate BOS
             eos_token_id=tokenizer.eos_token_id,
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
