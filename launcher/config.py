@@ -112,6 +112,9 @@ class WorkersConfig:
 @dataclass
 class TestingConfig:
     fail_shards: list[int] = field(default_factory=list)
+    # torch.compile backend in place of the device's (tests: aot_eager traces the same fullgraph graphs as
+    # inductor without its C++ build, which costs minutes on a busy 2-core machine)
+    compile_backend: str | None = None
 
 
 @dataclass

@@ -23,6 +23,21 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_flux2(tmp_path_factory.mktemp("model") / "tiny-flux2")
 
 
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """tiny_family(name) -> the folder of that family's tiny pipeline (flux1, sd3, ...), built once per session."""
+    from launcher.models import build
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(f"tiny_{name}", tmp_path_factory.mktemp("model") / f"tiny-{name}")
+        return built[name]
+
+    return get
+
+
 def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """Run ./launch.sh as a user would, with the test venv's Python."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}

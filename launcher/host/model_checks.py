@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from launcher.models import GENERIC, Family, family_of_folder
+from launcher.host.family_checks import check_family, tiny_family
+from launcher.models import Family, family_of_folder, pipeline_class
 
 
 def model_dir(path: str) -> Path:
@@ -37,9 +38,10 @@ def _looks_like_hub_id(path: str) -> bool:
 
 def check_model(cfg) -> None:
     if cfg.model.build and not Path(cfg.model.path).exists():
-        from launcher.models import builders
-
-        return check_cache(cfg, builders().get(cfg.model.build, GENERIC))  # built on first use: its config is sound
+        fam = tiny_family(cfg)  # built on first use (a tiny test model); its config is known to be sound
+        check_family(cfg, fam, f"the tiny {fam.pipelines[0]}")
+        check_cache(cfg, fam)
+        return
     root = model_dir(cfg.model.path)
     if not (root / "model_index.json").is_file():
         raise ConfigError(
@@ -47,6 +49,7 @@ def check_model(cfg) -> None:
             "point it at the pipeline's top folder"
         )
     _check_components(cfg.model.path, root)
+    check_family(cfg, family_of_folder(root), pipeline_class(root) or "this pipeline")
     check_cache(cfg, family_of_folder(root))
     if not Path(cfg.model.path).is_dir():
         # The whole pipeline is in the cache (just checked), so workers need no network: without this, each
@@ -54,9 +57,10 @@ def check_model(cfg) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if cfg.mesh.tp > 1:
         te_keys = ("num_attention_heads", "num_key_value_heads")
+        fam = family_of_folder(root)
         for part, keys, sharded in (
-            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer),
-            ("text_encoder", te_keys, cfg.model.shard_text_encoder),
+            ("transformer", ("num_attention_heads",), cfg.model.shard_transformer and fam.tp_transformer),
+            ("text_encoder", te_keys, cfg.model.shard_text_encoder and fam.tp_text_encoder),
         ):
             _check_heads(root / part / "config.json", cfg.mesh.tp, part.replace("_", " "), keys, sharded)
     multiple = size_multiple(root)
@@ -79,11 +83,14 @@ def size_multiple(root: Path) -> int | None:
     """What image sizes must be a multiple of: the VAE's scale factor times the latent patch size."""
     vae = _read(root / "vae" / "config.json")
     tr = _read(root / "transformer" / "config.json")
-    if not (vae and "block_out_channels" in vae):
+    if "block_out_channels" in vae:
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    elif "temperal_downsample" in vae:  # Qwen-Image's video-style VAE (diffusers spells it so)
+        scale = 2 ** len(vae["temperal_downsample"])
+    else:
         return None
     # Latents are patchified, by the transformer (SD3: patch_size 2) or by the pipeline (FLUX: packing 2x2).
-    patch = max(int(tr.get("patch_size") or 1), family_of_folder(root).latent_patch)
-    return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+    return scale * max(int(tr.get("patch_size") or 1), family_of_folder(root).latent_patch)
 
 
 def size_rule(cfg):
@@ -92,9 +99,7 @@ def size_rule(cfg):
 
     root = model_dir(cfg.model.path)
     fam = family_of_folder(root)
-    return SizeRule(
-        size_multiple(root) or 1, getattr(fam, "max_pixels", 4 * 2**20), cfg.generate.height, cfg.generate.width
-    )
+    return SizeRule(size_multiple(root) or 1, fam.max_pixels, cfg.generate.height, cfg.generate.width)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")

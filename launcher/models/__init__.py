@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILY_MODULES = ("flux2",)  # launcher/models/<name>.py, each defining FAMILY
+FAMILY_MODULES = ("flux2", "flux1", "sd3", "qwenimage", "flux2_klein")  # launcher/models/<name>.py, each defining FAMILY
 
 
 def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:
@@ -45,6 +45,11 @@ class Family:
     decode_latents: Callable | None = None
     # (pipe, call kwargs) -> the embedding kwargs that replace the prompt in a call; None: no staged execution.
     encode: Callable | None = None
+    # What a job may ask of it, checked at preflight (issue 15):
+    tp_text_encoder: bool = False  # transformers has a tensor-parallel plan for its (first) text encoder
+    max_pixels: int = 4 * 1024 * 1024  # the largest height x width a row may ask for
+    # packages beyond the base dependencies that its real checkpoint needs to load (in the cuda and tpu extras)
+    requires: tuple[str, ...] = ()
 
 
 GENERIC = Family("generic")
@@ -58,17 +63,30 @@ def family_of(pipeline_class: str) -> Family:
     return next((f for f in families() if pipeline_class in f.pipelines), GENERIC)
 
 
+def pipeline_class(root: Path) -> str:
+    """The pipeline class name of a folder, from its model_index.json ("" if unreadable)."""
+    try:
+        return json.loads((Path(root) / "model_index.json").read_text()).get("_class_name", "")
+    except (OSError, ValueError):
+        return ""
+
+
 def family_of_folder(root: Path) -> Family:
     """The family of a pipeline folder, from its model_index.json (no weights read)."""
-    try:
-        return family_of(json.loads((Path(root) / "model_index.json").read_text()).get("_class_name", ""))
-    except (OSError, ValueError):
-        return GENERIC
+    return family_of(pipeline_class(root))
 
 
 def builders() -> dict[str, Family]:
     """`model.build` names: tiny_<family> for each family that can build its tiny pipeline."""
     return {f"tiny_{f.name}": f for f in families() if f.build_tiny}
+
+
+def default_dir(build_name: str) -> Path:
+    """Where a tiny model's conf puts it (`tiny_flux2` -> models/tiny-flux2 in the checkout): the only place a
+    missing model is built on first use."""
+    from launcher.config import REPO_ROOT
+
+    return REPO_ROOT / "models" / build_name.replace("_", "-")
 
 
 def build(name: str, out_dir) -> Path:

@@ -13,15 +13,10 @@ random-weight pipeline.
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from launcher.models import Family
-
-logger = logging.getLogger(__name__)
 
 # A fixed byte-level vocabulary (no merges) needs no training corpus, so the tokenizer is the same every time.
 _SPECIAL = ["<pad>", "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
@@ -55,7 +50,8 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    out = Path(out_dir)
+    from launcher.models._tiny import save_atomically
+
     tokenizer, vocab_size = _tokenizer()
     torch.manual_seed(0)
     # 4 heads, 2 KV heads: tp=2 divides both, like the real encoder's 32/8 at tp=8.
@@ -115,16 +111,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    try:
-        tmp.rename(out)
-    except OSError:
-        # Another process built it first; theirs is identical (same seeds), so keep it.
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("built the tiny FLUX.2 pipeline in %s", out)
-    return out
+    return save_atomically(pipe, out_dir, "FLUX.2")
 
 
 def _token_ids(pipe, prompts: list[str]) -> list[list[int]]:
@@ -174,4 +161,6 @@ FAMILY = Family(
     cache_context="cond",  # Flux2Pipeline opens no cache context of its own
     decode_latents=_decode_latents,
     encode=_encode,
+    tp_text_encoder=True,
+    requires=("torchvision",),  # its tokenizer is a PixtralProcessor (transformers 5.23)
 )

@@ -49,9 +49,13 @@ class CompileStats:
         return counted
 
 
-def compile_args(device_type: str, stats: CompileStats) -> dict:
+def compile_backend(device_type: str, override: str | None = None) -> str:
+    return override or ("tpu" if device_type == "tpu" else "inductor")
+
+
+def compile_args(device_type: str, stats: CompileStats, backend: str | None = None) -> dict:
     return {
-        "backend": stats.backend("tpu" if device_type == "tpu" else "inductor"),
+        "backend": stats.backend(compile_backend(device_type, backend)),
         "fullgraph": True,
         "dynamic": False,
     }
@@ -61,16 +65,14 @@ def apply_compile(pipe, cfg, device_type: str, stats: CompileStats) -> None:
     """Compile the transformer in place as `execution.mode=compile` asks; a no-op in the eager modes."""
     if cfg.execution.mode != "compile":
         return
-    kwargs = compile_args(device_type, stats)
+    backend = compile_backend(device_type, cfg.get("testing", {}).get("compile_backend"))
+    kwargs = compile_args(device_type, stats, backend)
     if cfg.execution.offload == "model":
         pipe.transformer.compile_repeated_blocks(**kwargs)
         logger.info("compiling the transformer's repeated blocks (model offload), fullgraph, static shapes")
     else:
         pipe.transformer.compile(**kwargs)
-        logger.info(
-            "compiling the transformer (%s backend), fullgraph, static shapes",
-            "tpu" if device_type == "tpu" else "inductor",
-        )
+        logger.info("compiling the transformer (%s backend), fullgraph, static shapes", backend)
 
 
 def cache_hits() -> int:

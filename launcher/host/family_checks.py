@@ -1,0 +1,55 @@
+"""What a model family cannot do, refused at preflight (exit 2) instead of crashing on every rank later.
+
+The family module (launcher/models/) says what it supports; these checks hold a job's mesh and execution
+settings against it. A missing tiny model is built only at its own default location: a typo in model.path must
+not silently build and run a random model somewhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.errors import ConfigError
+from launcher.models import Family, builders, default_dir
+
+
+def tiny_family(cfg) -> Family:
+    """The family that builds the missing `model.path`, or ConfigError where it must not be built."""
+    fam = builders().get(cfg.model.build)
+    if fam is None:
+        known = ", ".join(sorted(builders()))
+        raise ConfigError(f"model.build={cfg.model.build!r} is unknown; builders: {known} (or null)")
+    default = default_dir(cfg.model.build)
+    if Path(cfg.model.path).resolve() != default.resolve():
+        raise ConfigError(
+            f"model.path {cfg.model.path} does not exist; a tiny model is built on first use only at its own "
+            f"location {default}; fix the path, or build one there: python tools/make_tiny_model.py "
+            f"{cfg.model.path} --family {fam.name}"
+        )
+    return fam
+
+
+def check_family(cfg, fam: Family, what: str) -> None:
+    """`what` names the model in messages (its pipeline class)."""
+    ex, tp = cfg.execution, cfg.mesh.tp
+    if ex.mode == "compile" and ex.offload == "model" and not fam.repeated_blocks:
+        raise ConfigError(
+            f"execution.mode=compile with execution.offload=model compiles the transformer's repeated blocks, "
+            f"which {what} does not define; use execution.offload=none (whole-transformer compile) or "
+            "execution.mode=eager"
+        )
+    if tp == 1:
+        return
+    if cfg.model.shard_transformer and not fam.tp_transformer:
+        raise ConfigError(
+            f"mesh.tp={tp}: {what} has no tensor-parallel plan for its transformer; use mesh.tp=1 "
+            "(and mesh.dp for more chips), or model.shard_transformer=false"
+        )
+    sharded = (cfg.model.shard_transformer and fam.tp_transformer) or (
+        cfg.model.shard_text_encoder and fam.tp_text_encoder
+    )
+    if not sharded:
+        raise ConfigError(
+            f"mesh.tp={tp} shards nothing: {what} has no tensor-parallel plan for its text encoder, and "
+            "model.shard_transformer is false; use mesh.tp=1 and mesh.dp for more chips"
+        )

@@ -1,0 +1,113 @@
+"""Qwen-Image (`QwenImagePipeline`: Qwen2.5-VL text encoder, QwenImage MMDiT transformer, a Wan-style video VAE):
+what the runner knows of it, and its tiny random-weight pipeline.
+
+- Both parts have tensor-parallel plans (diffusers' on the transformer, transformers' on Qwen2.5-VL's text model).
+- Guidance is "true CFG": the pipeline's `true_cfg_scale` is our `guidance_scale`, and it guides only when given a
+  negative prompt, so a row without one gets " " (what the model card uses); its own `guidance_scale` is for
+  guidance-distilled checkpoints only and is left out.
+- The prompt is wrapped in a template with a system message; the pipeline drops the template's first
+  `prompt_template_encode_start_idx` tokens, and `max_sequence_length` (at most 1024) applies to the rest.
+- Its VAE downsamples by 2 per `temperal_downsample` entry (3 in the real one: scale factor 8).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from launcher.models import Family
+
+
+def build_tiny(out_dir: str | os.PathLike) -> Path:
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from launcher.models._tiny import qwen_tokenizer, save_atomically
+
+    tokenizer = qwen_tokenizer()
+    n = len(tokenizer)  # the vision tokens take the ids after the tokenizer's (a prompt never contains them)
+    torch.manual_seed(0)
+    # 4 heads, 2 KV heads: tp=2 divides both. mrope_section sums to head_dim / 2.
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=n + 4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [1, 1, 2]},
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.eos_token_id,  # the real one's too: no separate BOS
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
+        image_token_id=n,
+        video_token_id=n + 1,
+        vision_start_token_id=n + 2,
+        vision_end_token_id=n + 3,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    torch.manual_seed(1)
+    # 2 heads: tp=2 divides them. in_channels = 4 latent channels x the pipeline's 2x2 packing.
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(2)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    return save_atomically(pipe, out_dir, "Qwen-Image")
+
+
+def _token_ids(pipe, prompts: list[str]) -> list[list[int]]:
+    drop = pipe.prompt_template_encode_start_idx
+    ids = pipe.tokenizer([pipe.prompt_template_encode.format(p) for p in prompts])["input_ids"]
+    return [i[drop:] for i in ids]
+
+
+def _call_kwargs(kwargs: dict) -> dict:
+    if "guidance_scale" in kwargs:
+        kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
+    if kwargs.get("true_cfg_scale", 0) > 1 and "negative_prompt" not in kwargs:
+        kwargs["negative_prompt"] = [" "] * len(kwargs["prompt"])
+    elif "negative_prompt" in kwargs:
+        kwargs["negative_prompt"] = [p or " " for p in kwargs["negative_prompt"]]
+    return kwargs
+
+
+FAMILY = Family(
+    "qwenimage",
+    pipelines=("QwenImagePipeline",),
+    tp_transformer=True,
+    repeated_blocks=True,
+    uses_cfg=True,
+    token_ids=_token_ids,
+    call_kwargs=_call_kwargs,
+    build_tiny=build_tiny,
+    tp_text_encoder=True,
+)
