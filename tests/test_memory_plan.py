@@ -133,3 +133,8 @@ def test_a_mesh_that_does_not_fit_is_refused_before_anything_starts(tmp_path):
     assert last.startswith("error: mesh dp=4 tp=2 does not fit:") and "transformer 30.8" in last
     assert "28.8 GiB usable per v6e chip" in last and "use mesh.tp=8" in last
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_of_a_mesh_that_does_not_fit_says_so_and_exits_0():
+    lines = mesh_lines("mesh.tp=2", "mesh.dp=4")  # the contract: --dry-run exits 0 and starts nothing
+    assert any("would be refused: mesh dp=4 tp=2 does not fit" in ln for ln in lines), lines

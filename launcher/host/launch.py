@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(conf, overrides)
         device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
         check_settings(cfg)
-        mesh = plan_mesh_early(cfg, device)  # before a download: a mesh that cannot fit costs no weights
+        mesh = plan_mesh_early(cfg, device, strict=not dry_run)  # before a download: a misfit costs no weights
         if dry_run:
-            mesh = mesh or plan_mesh_now(cfg, device)
+            mesh = mesh or plan_mesh_now(cfg, device, strict=False)
             plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
             print("\n".join([mesh.line(), *(f"# mesh: {w}" for w in mesh.why)]))
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
@@ -243,21 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
-def plan_mesh_early(cfg, device: str):
+def plan_mesh_early(cfg, device: str, strict: bool = True):
     """The mesh plan if the model's configs are known without the network (a folder, the cache, the table)."""
     from launcher.host.download import cached_root
     from launcher.host.mesh_plan import plan_mesh
     from launcher.models.checkpoints import published
 
     root = cached_root(cfg.model.path)
-    return plan_mesh(cfg, device, root) if root is not None or published(cfg.model.path) else None
+    return plan_mesh(cfg, device, root, strict) if root is not None or published(cfg.model.path) else None
 
 
-def plan_mesh_now(cfg, device: str):
+def plan_mesh_now(cfg, device: str, strict: bool = True):
     from launcher.host.download import cached_root
     from launcher.host.mesh_plan import plan_mesh
 
-    return plan_mesh(cfg, device, cached_root(cfg.model.path))
+    return plan_mesh(cfg, device, cached_root(cfg.model.path), strict)
 
 
 def worker_overrides(overrides: list[str], cfg, mesh) -> list[str]:
@@ -271,9 +271,9 @@ def worker_overrides(overrides: list[str], cfg, mesh) -> list[str]:
 def ensure_model(cfg) -> None:
     """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host)."""
     if cfg.model.build and not Path(cfg.model.path).exists():
-        from launcher.models import build
+        from launcher.host.family_checks import tiny_family
 
-        build(cfg.model.build, cfg.model.path)
+        tiny_family(cfg).build_tiny(cfg.model.path)  # only at the tiny model's own location, else exit 2
         return
     from launcher.host.download import ensure_downloaded
 

@@ -58,7 +58,7 @@ def gib(n: int) -> str:
     return f"{x:.1f}" if x >= 0.1 or x == 0 else f"{x:.2g}"
 
 
-def plan_mesh(cfg, device: str, root: Path | None) -> MeshPlan:
+def plan_mesh(cfg, device: str, root: Path | None, strict: bool = True) -> MeshPlan:
     """Resolve `auto` in cfg.mesh (written back as numbers), and refuse a mesh whose weights do not fit."""
     dp, tp = cfg.mesh.dp, cfg.mesh.tp  # numbers or "auto" (load_config checked)
     low = [f"mesh.{k}={v}" for k, v in (("dp", dp), ("tp", tp), ("nodes", cfg.mesh.nodes)) if v != "auto" and v < 1]
@@ -86,10 +86,13 @@ def plan_mesh(cfg, device: str, root: Path | None) -> MeshPlan:
         if need > have:
             better = _smallest_fitting_tp(cfg, device, chip, comps)
             hint = f"use mesh.tp={better} or mesh.tp=auto" if better and better != tp else _no_fit_hint(cfg)
-            raise ConfigError(
+            misfit = (
                 f"mesh dp={dp} tp={tp} does not fit: {_need_text(cfg, per_rank)} > {have:.1f} GiB "
                 f"usable per {chip.name} chip ({_usable_text(chip)}); {hint}"
             )
+            if strict:
+                raise ConfigError(misfit)
+            plan.why.append(f"would be refused: {misfit}")  # a dry run only says so (it exits 0)
     return plan
 
 
