@@ -77,7 +77,7 @@ class Store:
             raise
 
     def _read(self, path: str) -> bytes:
-        with self.fs.open_input_stream(path) as f:
+        with self.fs.open_input_stream(path, compression=None) as f:  # the bytes as stored: no .gz magic
             return f.read()
 
     def read_json(self, rel: str) -> dict | None:
@@ -106,7 +106,7 @@ class Store:
         _commit(tmp, path)
 
     def _put(self, path: str, data: bytes) -> None:
-        with self.fs.open_output_stream(path) as f:  # one object, visible once complete
+        with self.fs.open_output_stream(path, compression=None) as f:  # one object, visible once complete
             f.write(data)
 
     def _synced_temp(self, rel: str, data: bytes) -> tuple[Path, Path]:
