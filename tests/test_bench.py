@@ -104,3 +104,15 @@ def test_speed_bench_counts_offload_moves_parking_and_cache(tiny_model, tools):
     assert 0 < r["released"]["weights"] < r["kept"]["weights"]
     c = bench_cache(str(tiny_model), 1, 32, (8,))["steps_8"]
     assert c["taylorseer"]["s_per_image"] > 0 and c["max_pixel_diff"] >= 0
+
+
+def test_control_bench_runs_at_tiny_sizes(tiny_model, tmp_path, tools):
+    from tools.bench.control import bench_control, table
+
+    r = bench_control(str(tiny_model), [40], [], 0, 16, tmp_path)
+    run = r["local"][40]
+    assert run["shards"] == 3 and run["cold"]["exit"] == run["warm"]["exit"] == 0
+    assert run["warm"]["peak_mb"]["launcher"] > 0 and "worker" not in run["warm"]["peak_mb"]  # nothing to do
+    pending = r["shard0_pending"]
+    assert pending["big"]["exit"] == 0 and pending["big"]["peak_mb"]["worker"] > 0
+    assert "| local | 40 | 3 |" in table(r)
