@@ -15,9 +15,10 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
   random-weight FLUX.2 transformer the script builds (~130M parameters, 520 MB float32). `weights private` is
   the rank's private memory (RssAnon plus its local parameters that are file-mapped) less its baseline before
   loading; the ratio tp=2 / tp=1 has a target of <= 0.6.
-- writer (tools/bench/writer.py): PNG encoding throughput for photographic-like 1024x1024 images through a
-  spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL, levels
-  1 and 6 (targets: >= 6 images/s per process for the default imagecodecs level 1, >= 1.8x that with 2).
+- writer (tools/bench/writer.py): encoding throughput for photographic-like 1024x1024 images through a
+  spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL: PNG at
+  levels 1 and 6, JPEG and WebP at quality 95, lossless WebP (targets: >= 6 images/s per process for the
+  default imagecodecs PNG level 1, >= 1.8x that with 2).
 
 Timings on a shared machine are noisy: run it when `uptime` shows little load, and read the min-max spread.
 On a CUDA host, `--device cuda` runs the runner part on the GPU (memory and writer stay on the CPU);
@@ -74,7 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--writer-processes", type=_ints, default=(1, 2))
     g.add_argument("--writer-repeats", type=int, default=3)
     g.add_argument("--writer-encoders", type=lambda t: tuple(t.split(",")), default=("imagecodecs", "pil"))
-    g.add_argument("--writer-levels", type=_ints, default=(1, 6))
+    g.add_argument("--writer-levels", type=_ints, default=(1, 6), help="PNG zlib levels")
+    g.add_argument(
+        "--writer-formats", type=lambda t: tuple(t.split(",")), default=("png", "jpeg", "webp", "webp-lossless")
+    )
+    g.add_argument("--writer-quality", type=int, default=95, help="JPEG and lossy WebP quality")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     unknown = set(args.parts) - set(PARTS)
@@ -131,6 +136,8 @@ def run(args: argparse.Namespace) -> dict:
                 args.writer_encoders,
                 args.writer_levels,
                 repeats=args.writer_repeats,
+                formats=args.writer_formats,
+                quality=args.writer_quality,
             )
     result["environment"]["loadavg_end"] = os.getloadavg()
     return result
