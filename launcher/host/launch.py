@@ -72,17 +72,23 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
     return LaunchPlan(env=env, tpu_launch_env=device == "tpu", torchrun_args=args)
 
 
-def run_elastic(args: list[str]) -> int:
-    """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0."""
+def run_elastic(args: list[str], logs=None) -> int:
+    """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0.
+
+    `logs` (launcher/host/terminal.py's WorkerLogs): the workers' output goes to per-rank files instead of the
+    terminal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
+
+    from launcher.host.terminal import launch_workers
 
     try:
-        run(parse_args(args))
+        launch_workers(parse_args(args), logs)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        logger.error("rank %d failed first, exit code %s", rank, failure.exitcode)
+        where = f"; its log: {logs.rank_log(rank)}" if logs is not None else ""
+        logger.error("rank %d failed first, exit code %s%s", rank, failure.exitcode, where)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:
         logger.error("stopped by signal %s; done shards are kept, rerun the same command to finish", e.sigval)
@@ -92,6 +98,7 @@ def run_elastic(args: list[str]) -> int:
 
 def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.card import write_card
+    from launcher.host.terminal import WorkerLogs
     from launcher.ledger import states as ledger
     from launcher.ledger.lock import RunLock, other_live_runs
     from launcher.ledger.store import Store
@@ -134,8 +141,8 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             samples = sum(len(shards[i].rows) for i in selected)
             logger.info("generating %d shards (%d samples) into %s", len(selected), samples, store)
             os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
-            with Progress(store, samples, run_id):
-                code = run_elastic(plan_.torchrun_args)
+            with WorkerLogs(store, run_id) as logs, Progress(store, samples, run_id):
+                code = run_elastic(plan_.torchrun_args, logs)
         else:
             logger.info("nothing to do: every selected shard of %s is done", store)
         lines, record = summarize(store, shards, run_id, start, code, rerun)

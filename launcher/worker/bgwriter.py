@@ -31,10 +31,12 @@ from omegaconf import OmegaConf
 from launcher.errors import die_with_parent
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
+from launcher.logs import SHARD_EVENTS
 from launcher.worker.encode import Encoding, encode
 from launcher.worker.writer import delete_shard_files, warm_up, write_shard
 
 logger = logging.getLogger(__name__)
+events = logging.getLogger(SHARD_EVENTS)
 
 
 @dataclass
@@ -121,6 +123,7 @@ class BackgroundWriter:
         job.state["finished_at"] = time.time()
         self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
         self.on_recorded(job.index)
+        _log_event(job)
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
@@ -141,6 +144,14 @@ class BackgroundWriter:
         self._thread.join()
         self._process.shutdown()
         self._raise_if_failed()
+
+
+def _log_event(job: ShardJob) -> None:
+    st = job.state
+    if st["status"] == "done":
+        events.info("shard %d done: %d images in %.1f s", job.index, st["rows"], st["seconds"])
+    else:
+        events.warning("shard %d failed: %s", job.index, st.get("error", "").split("\n")[0])
 
 
 # The writer process's side: its output settings, store and encoders, set up once by _start_writer.
