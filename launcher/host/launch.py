@@ -191,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(conf, overrides)
         device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
         if dry_run:
+            from launcher.workers import resolve_workers
+
             plan_ = launch_plan(cfg, conf, overrides, device)
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
+            index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
+            print(f"# workers: index={index} count={count}")
             return EXIT_OK
         preflight(cfg)
         ensure_model(cfg)
