@@ -110,7 +110,7 @@ class WorkerLogs:
     def __enter__(self) -> WorkerLogs:
         self._stack.enter_context(logging_redirect_tqdm())
         os.environ[RANK_LOGS_ENV] = "1"  # the workers log everything to their files (every rank at INFO)
-        logger.info("worker logs: %s (MESHGEN_VERBOSE=1 shows every line here)", self.rank_log(0).replace("-0.", "-N."))
+        logger.info("worker logs: %s/rank-N.log (MESHGEN_VERBOSE=1 shows every line here)", self.shown_folder)
         return self
 
     def __exit__(self, *exc) -> None:
