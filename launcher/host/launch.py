@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             from launcher.workers import resolve_workers
 
             plan_ = launch_plan(cfg, conf, overrides, device)
-            print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
-            print(f"# workers: index={index} count={count}")
+            print(f"# workers: index={index} count={count}")  # first: the torchrun command stays the last line
+            print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
         preflight(cfg)
         ensure_model(cfg)
