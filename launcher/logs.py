@@ -1,4 +1,5 @@
-"""Rank-prefixed logging: rank 0 logs at INFO, the other ranks only warnings, unless MESHGEN_VERBOSE=1."""
+"""Rank-prefixed logging: rank 0 logs at INFO, the other ranks only warnings, unless MESHGEN_VERBOSE=1 or each
+rank writes its own log file (the launcher sets RANK_LOGS_ENV then: a file holds everything of its rank)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import logging
 import os
 import warnings
 
+# The logger of shard events (one line per shard done or failed): the launcher's terminal shows these by default.
+SHARD_EVENTS = "meshgen.shards"
+RANK_LOGS_ENV = "MESHGEN_RANK_LOGS"
+
 
 def setup_logging(rank: int | None = None, hub_progress: bool = False) -> None:
     """`hub_progress`: keep huggingface_hub's progress bars (the launcher's model download shows one)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     verbose = os.environ.get("MESHGEN_VERBOSE") == "1"
-    level = logging.INFO if rank == 0 or verbose else logging.WARNING
+    level = logging.INFO if rank == 0 or verbose or os.environ.get(RANK_LOGS_ENV) == "1" else logging.WARNING
     logging.basicConfig(
         level=level,
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",

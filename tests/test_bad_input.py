@@ -120,6 +120,9 @@ CASES = {
     "output-dir-under-a-file": (["output.dir={tmp}/afile/out"], ["output.dir", "afile", "is a file"]),
     # /proc refuses new files even to root, for whom permission bits would not stop a write.
     "output-dir-not-writable": (["output.dir=/proc/meshgen-test/out"], ["output.dir", "cannot be written"]),
+    "unknown-image-format": (["output.format=gif"], ["output.format", "'gif'", "png, jpeg, webp"]),
+    "quality-above-100": (["output.format=jpeg", "output.quality=101"], ["output.quality=101", "1..100"]),
+    "lossless-jpeg": (["output.format=jpeg", "output.lossless=true"], ["output.lossless", "webp", "lossy"]),
     "unknown-dtype": (["model.dtype=float8"], ["model.dtype", "'float8'", "bfloat16"]),
     "unknown-execution-mode": (["execution.mode=turbo"], ["execution.mode", "'turbo'", "eager"]),
     "unknown-device": (["device=gpu"], ["device", "'gpu'", "cuda"]),

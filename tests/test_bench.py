@@ -37,7 +37,7 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
     tiny = ["--images", "4", "--shard-size", "2", "--repeats", "1", "--height", "32", "--width", "32"]
     tiny += ["--steps", "2", "--mem-heads", "2", "--mem-layers", "1", "--mem-single-layers", "1"]
     tiny += ["--writer-size", "64", "--writer-images", "2", "--writer-processes", "1,2", "--writer-repeats", "1"]
-    tiny += ["--writer-encoders", "imagecodecs", "--writer-levels", "1"]
+    tiny += ["--writer-encoders", "imagecodecs", "--writer-levels", "1", "--writer-formats", "png,jpeg,webp-lossless"]
     tiny += ["--parts", "runner,memory,writer"]  # speed: below, its in-process parts; its N jobs reuse the runner's
     assert bench.main(["--out", str(out), "--model", str(tiny_model), "--workdir", str(tmp_path), *tiny]) == 0
     result = json.loads(out.read_text())
@@ -58,14 +58,16 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
     assert memory["ratio_tp2_over_tp1"]["transformer_local_bytes"] < 1
 
     rows = result["writer"]["rows"]
-    assert [(r["encoder"], r["level"], r["processes"]) for r in rows] == [("imagecodecs", 1, 1), ("imagecodecs", 1, 2)]
+    assert [(r["format"], r["encoder"], r["level"], r["processes"]) for r in rows] == [
+        (f, "imagecodecs", level, p) for f, level in (("png", 1), ("jpeg", 95), ("webp-lossless", 0)) for p in (1, 2)
+    ]
     for path, value in _positive_numbers({"writer": rows, "runner": runner}):
         if "e2e" not in path:  # a difference of two whole-run wall times: noise can make it negative at 4 images
             assert value >= 0, path
     assert all(r["images_per_s"] > 0 for r in rows)
 
     printed = capsys.readouterr().out
-    assert "ratio runner / bare" in printed and "ratio tp2/tp1" in printed and "imagecodecs level 1" in printed
+    assert "ratio runner / bare" in printed and "ratio tp2/tp1" in printed and "png imagecodecs level 1" in printed
 
 
 def test_photo_like_images_are_not_flat(tools):

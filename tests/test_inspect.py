@@ -4,10 +4,12 @@ import base64
 import importlib
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -50,7 +52,7 @@ def front_matter(card: str) -> dict:
     return yaml.safe_load(card.split("---\n")[1])
 
 
-def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path):
+def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path, caplog):
     import datasets
 
     out = copy_run(run_job(), tmp_path / "run")
@@ -60,7 +62,13 @@ def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path):
     front = front_matter(card)
     assert {"name": "image", "dtype": "image"} in front["dataset_info"]["features"]
     assert {"name": "prompt", "dtype": "string"} in front["dataset_info"]["features"]
-    assert front["dataset_info"]["splits"] == [{"name": "train", "num_examples": 20}]
+    [split] = front["dataset_info"]["splits"]
+    assert (split["name"], split["num_examples"]) == ("train", 20)
+    parquet = sorted((out / "data").glob("*.parquet"))
+    assert front["dataset_info"]["download_size"] == sum(f.stat().st_size for f in parquet)
+    assert front["dataset_info"]["dataset_size"] == split["num_bytes"] > 0
+    assert front["size_categories"] == ["n<1K"]
+    assert "row groups of 64 rows" in card and "png (lossless, zlib level 1), `.png` files" in card
     [config] = front["configs"]
     assert config["data_files"] == [{"split": "train", "path": "data/*.parquet"}]
     assert front["license"] == "other" and front["license_name"] == "random-weights-no-license-restrictions"
@@ -74,9 +82,17 @@ def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path):
     ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / "cache"))
     assert isinstance(ds.features["image"], datasets.Image) and len(ds) == 20
     assert ds[0]["image"].size == (64, 64)
+    # num_bytes comes from the files' footers; `datasets` counts the Arrow data it builds: they agree within 5%.
+    assert abs(ds.info.splits["train"].num_bytes - split["num_bytes"]) < 0.05 * split["num_bytes"]
     # Loading the folder itself reads the card: its configs pick the files, and `datasets` checks num_examples.
-    ds = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "cache2"))
+    # It must say nothing: no warning (Python's or a log record) about the card.
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        ds = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "cache2"))
+    assert not [str(w.message) for w in caught]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(ds) == 20 and isinstance(ds.features["image"], datasets.Image)
+    assert ds.info.splits["train"].num_examples == 20
 
 
 def test_card_of_an_unfinished_run_names_only_the_done_shards(run_job, tmp_path):

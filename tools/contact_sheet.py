@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 from launcher.host.card import open_run, shard_name, summarize, write_output
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR
 from launcher.ledger.store import Store
+from launcher.worker.encode import EXTENSIONS
 
 THUMB = 192  # each image is fitted into a THUMB x THUMB square
 PAD = 8
@@ -30,14 +31,16 @@ BACKGROUND = (255, 255, 255)
 
 
 def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
-    """(caption, png bytes) of the first n samples of the done shards, in shard and row order.
+    """(caption, image bytes) of the first n samples of the done shards, in shard and row order.
 
     That is id order for the default ids (row numbers), and it lets us stop reading as soon as we have n,
     which matters when a shard's Parquet file holds hundreds of megapixel images.
     """
     found: list[tuple[str, bytes]] = []
     parquet = {i.base_name for i in run.files(DATA_DIR, ".parquet")}
-    for shard in summarize(run)["shards"]:
+    summary = summarize(run)
+    ext = "." + EXTENSIONS[summary["meta"]["config"]["output"].get("format", "png")]
+    for shard in summary["shards"]:
         if len(found) >= n:
             break
         if shard["status"] != "done":
@@ -50,9 +53,9 @@ def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
                 if len(found) >= n:
                     break
         else:
-            for info in run.files(f"{IMAGES_DIR}/{name}", ".png")[: n - len(found)]:
-                png = run.read_bytes(f"{IMAGES_DIR}/{name}/{info.base_name}")
-                found.append((f"id {info.base_name.removesuffix('.png')}", png))
+            for info in run.files(f"{IMAGES_DIR}/{name}", ext)[: n - len(found)]:
+                image = run.read_bytes(f"{IMAGES_DIR}/{name}/{info.base_name}")
+                found.append((f"id {info.base_name.removesuffix(ext)}", image))
     return found[:n]
 
 

@@ -86,18 +86,34 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     }
 
 
-def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], int]:
-    """What the card names (relative paths or a glob), the done shards' Parquet files, and their row count.
+def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], dict]:
+    """What the card names (relative paths or a glob), the done shards' Parquet files, and their sizes: rows,
+    `num_bytes` (the data uncompressed, as `datasets` counts a split: from the files' footers, not their data)
+    and `download_size` (the files' bytes).
 
     A glob when every file belongs to a done shard, so the card stays short for big runs; otherwise the done
     shards' files by name, since a file whose shard is not done (an earlier attempt) is not vouched for.
     """
     done = {f"{shard_name(s['index'])}.parquet" for s in summary["shards"] if s["status"] == "done"}
-    present = [f"{DATA_DIR}/{i.base_name}" for i in run.files(DATA_DIR, ".parquet")]
+    listing = run.files(DATA_DIR, ".parquet")
+    present = [f"{DATA_DIR}/{i.base_name}" for i in listing]
     files = [f for f in present if f.split("/")[-1] in done]
-    # A done shard's state counts its rows: no request per Parquet file.
+    sizes = {i.base_name: i.size for i in listing}
+    # From the states and the listing, not a read per Parquet file (40k shards would cost 40k requests). The
+    # bytes are mostly encoded images, which Parquet stores as they are: the files' size stands for num_bytes.
+    download = sum(sizes[f.split("/")[-1]] for f in files)
     rows = sum(s["rows"] or 0 for s in summary["shards"] if s["status"] == "done")
-    return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, rows
+    totals = {"rows": rows, "num_bytes": download, "download_size": download}
+    return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, totals
+
+
+# The Hub's size categories: the first bound above the row count names it.
+_SIZE_CATEGORIES = [(10**3, "n<1K"), (10**4, "1K<n<10K"), (10**5, "10K<n<100K"), (10**6, "100K<n<1M")]
+_SIZE_CATEGORIES += [(10**7, "1M<n<10M"), (10**8, "10M<n<100M"), (10**9, "100M<n<1B"), (10**10, "1B<n<10B")]
+
+
+def size_category(rows: int) -> str:
+    return next((name for bound, name in _SIZE_CATEGORIES if rows < bound), "n>10B")
 
 
 def hf_features(run: Store, first_file: str) -> list[dict]:
@@ -127,19 +143,39 @@ def hub_license(note: str) -> dict:
 def front_matter(run: Store, summary: dict) -> dict:
     model = summary["meta"]["config"]["model"]
     front = {**hub_license(model.get("license", "")), "task_categories": ["text-to-image"], "tags": ["synthetic"]}
-    named, files, rows = data_files(run, summary)
+    named, files, size = data_files(run, summary)
     if files:  # none yet (or output.parquet=false): the card goes without configs, and still renders
+        front["size_categories"] = [size_category(size["rows"])]
         front["configs"] = [
             {
                 "config_name": "default",
                 "data_files": [{"split": "train", "path": named if len(named) > 1 else named[0]}],
             }
         ]
+        # `datasets` reads the split only with all three of name, num_examples and num_bytes (else it warns).
+        split = {"name": "train", "num_bytes": size["num_bytes"], "num_examples": size["rows"]}
         front["dataset_info"] = {
             "features": hf_features(run, files[0]),
-            "splits": [{"name": "train", "num_examples": rows}],
+            "splits": [split],
+            "download_size": size["download_size"],
+            "dataset_size": size["num_bytes"],
         }
     return front
+
+
+def files_section(output: dict) -> str:
+    """What a loader needs to know of the files: the image encoding and the Parquet row groups."""
+    from launcher.worker.encode import Encoding
+
+    known = {k: output[k] for k in ("format", "quality", "lossless", "png_level") if k in output}
+    enc = Encoding(**known)
+    lines = [f"- images: {enc.describe()}, `.{enc.extension}` files; the `image` column holds the same bytes"]
+    if "row_group_size" in output:
+        lines.append(
+            f"- `data/shard-NNNNN.parquet`: one per shard, in row groups of {output['row_group_size']} rows "
+            "(loaders read one group at a time; the last group of a shard may be smaller)"
+        )
+    return "\n".join(lines)
 
 
 def card_text(run: Store, states: dict[int, dict] | None = None) -> str:
@@ -169,6 +205,10 @@ The images are outputs of this model; their use is subject to its license.
 
 Each sample's seed is the first 8 bytes of `sha256("<seed>:<id>")` unless its row sets `seed`; rows may also set
 their own `height`, `width` and `negative_prompt`. The data records what each sample used.
+
+## Files
+
+{files_section(cfg.get("output", {}))}
 
 ## Contents
 

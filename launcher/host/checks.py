@@ -6,11 +6,14 @@ then costs seconds, not a model load on every chip.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 from launcher.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODES = ("eager", "defer_and_fuse", "compile")
@@ -18,9 +21,12 @@ CACHES = ("none", "taylorseer", "first_block", "magcache")
 
 
 def preflight(cfg) -> None:
+    from launcher.config import renamed_keys_notice
     from launcher.host.model_checks import check_model
 
     check_settings(cfg)
+    if notice := renamed_keys_notice(cfg):
+        logger.warning(notice)
     check_mesh(cfg)
     check_model(cfg)
     check_output(cfg)
@@ -53,6 +59,29 @@ def check_settings(cfg) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    check_output_settings(cfg.output)
+
+
+def check_output_settings(o) -> None:
+    from launcher.worker.encode import FORMATS, LIBRARIES
+
+    if o.format not in FORMATS:
+        raise ConfigError(f"output.format={o.format!r} is not one of {', '.join(FORMATS)}")
+    if o.png_encoder not in LIBRARIES:
+        raise ConfigError(f"output.png_encoder={o.png_encoder!r} is not one of {', '.join(LIBRARIES)}")
+    for key, value, low, high in (
+        ("output.quality", o.quality, 1, 100),
+        ("output.png_level", o.png_level, 0, 9),
+        ("output.webp_method", o.webp_method, 0, 6),
+        ("output.row_group_size", o.row_group_size, 1, None),
+    ):
+        if value < low or (high is not None and value > high):
+            raise ConfigError(f"{key}={value} must be in {low}..{high}" if high else f"{key}={value} must be >= {low}")
+    if o.lossless and o.format != "webp":
+        raise ConfigError(
+            f"output.lossless=true applies to output.format=webp only ({o.format} is "
+            f"{'always lossless' if o.format == 'png' else 'lossy'}); drop it or use output.format=webp"
+        )
 
 
 def check_mesh(cfg) -> None:

@@ -72,17 +72,23 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
     return LaunchPlan(env=env, tpu_launch_env=device == "tpu", torchrun_args=args)
 
 
-def run_elastic(args: list[str]) -> int:
-    """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0."""
+def run_elastic(args: list[str], logs=None) -> int:
+    """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0.
+
+    `logs` (launcher/host/terminal.py's WorkerLogs): the workers' output goes to per-rank files instead of the
+    terminal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
+
+    from launcher.host.terminal import launch_workers
 
     try:
-        run(parse_args(args))
+        launch_workers(parse_args(args), logs)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        logger.error("rank %d failed first, exit code %s", rank, failure.exitcode)
+        where = f"; its log: {logs.rank_log(rank)}" if logs is not None else ""
+        logger.error("rank %d failed first, exit code %s%s", rank, failure.exitcode, where)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:
         logger.error("stopped by signal %s; done shards are kept, rerun the same command to finish", e.sigval)
@@ -90,15 +96,15 @@ def run_elastic(args: list[str]) -> int:
     return EXIT_OK
 
 
-def run_hosts(cfg, args: list[str]) -> int:
+def run_hosts(cfg, args: list[str], logs=None) -> int:
     """run_elastic, and on a multi-host job the watch that stops this host when another is lost (exit 3)."""
     if cfg.mesh.nodes == 1:
-        return run_elastic(args)
+        return run_elastic(args, logs)
     from launcher.host.peers import PeerWatch, peer_port
 
     node = int(os.environ.get("NODE_RANK", "0"))
     with PeerWatch(node, cfg.mesh.nodes, os.environ.get("MASTER_ADDR", "127.0.0.1"), peer_port()) as watch:
-        code = run_elastic(args)
+        code = run_elastic(args, logs)
         if code != EXIT_OK and watch.settle():
             logger.error("lost a host (%s); run the same command on every host to finish the job", watch.lost)
             return EXIT_SHARDS_FAILED
@@ -171,6 +177,7 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
 
 def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchPlan, sizes) -> tuple[int, bool]:
     """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
+    from launcher.host.terminal import WorkerLogs
     from launcher.ledger.plan import plan_rel, write_plan_file
 
     samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt
@@ -180,8 +187,8 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
         return EXIT_SHARDS_FAILED, True
     os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
     try:
-        with Progress(ledger, samples, run_id):
-            return run_hosts(cfg, plan_.torchrun_args), False
+        with WorkerLogs(store, run_id) as logs, Progress(ledger, samples, run_id):
+            return run_hosts(cfg, plan_.torchrun_args, logs), False
     finally:
         store.delete(plan_rel(run_id))
 
@@ -227,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             mesh = mesh or plan_mesh_now(cfg, device, strict=False)
             plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
             print("\n".join([mesh.line(), *(f"# mesh: {w}" for w in mesh.why)]))
+            from launcher.workers import resolve_workers
+
+            index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
+            print(f"# workers: index={index} count={count}")  # first: the torchrun command stays the last line
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
         ensure_model(cfg)

@@ -27,6 +27,7 @@ FINGERPRINT_KEYS = {
     ),
     "run": ("shard_size",),
     "execution": ("cache", "cache_options"),  # step caching changes the images; the other execution keys do not
+    "output": ("format", "quality", "lossless"),  # how the images are stored: a dataset is not a mix of formats
 }
 # Keys added after runs were made: at these values they are left out of the settings, so that the folders of
 # older runs keep their fingerprints (a resume with the defaults is no change).
@@ -34,6 +35,9 @@ LATER_DEFAULTS = {
     ("generate", "images_per_prompt"): 1,
     ("execution", "cache"): "none",
     ("execution", "cache_options"): {},
+    ("output", "format"): "png",
+    ("output", "quality"): 95,
+    ("output", "lossless"): False,
 }
 
 

@@ -1,12 +1,13 @@
 """Writing off the critical path: finished shards are encoded and written by a writer process.
 
 Generation hands a shard over and goes on; it waits only when `output.queue_shards` shards are already
-waiting (backpressure), and that wait is measured. The work itself runs in a spawned writer process: PNG
-encoding (0.1-0.3 s per 1024x1024 image on one core, spread over `encode_workers` processes that scale with the
-host's cores), Parquet and file writes, uploads. The generating process keeps only a thread that hands each
-shard over and then writes its state file, so file I/O never holds that process's GIL while it feeds the chips
-(done in a thread there, it cost ~11 ms of CPU per 16-image shard plus the GIL hand-offs of every syscall).
-Every outcome, failures included, reaches the shard's state file, written last.
+waiting (backpressure), and that wait is measured. The work itself runs in a spawned writer process: image
+encoding (0.1-0.3 s per 1024x1024 PNG on one core, 4 ms per JPEG, 50 ms per WebP; see launcher/worker/encode.py),
+spread over `encode_workers` processes that scale with the host's cores, Parquet and file writes, uploads.
+The generating process keeps only a thread that hands each shard over and then writes its state file, so file
+I/O never holds that process's GIL while it feeds the chips (done in a thread there, it cost ~11 ms of CPU per
+16-image shard plus the GIL hand-offs of every syscall). Every outcome, failures included, reaches the shard's
+state file, written last.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from omegaconf import OmegaConf
 from launcher.errors import die_with_parent, out_of_space
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
-from launcher.worker.writer import delete_shard_files, encode_png, warm_up, write_shard
+from launcher.logs import SHARD_EVENTS
+from launcher.worker.encode import Encoding, encode
+from launcher.worker.writer import delete_shard_files, warm_up, write_shard
 
 logger = logging.getLogger(__name__)
+events = logging.getLogger(SHARD_EVENTS)
 
 
 @dataclass
@@ -130,6 +134,7 @@ class BackgroundWriter:
             self.out_of_space = True
             logger.error("shard %d: %s is out of space; its state could not be written either", job.index, self.store)
         self.on_recorded(job.index)
+        _log_event(job)
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
@@ -152,6 +157,14 @@ class BackgroundWriter:
         self._raise_if_failed()
 
 
+def _log_event(job: ShardJob) -> None:
+    st = job.state
+    if st["status"] == "done":
+        events.info("shard %d done: %d images in %.1f s", job.index, st["rows"], st["seconds"])
+    else:
+        events.warning("shard %d failed: %s", job.index, st.get("error", "").split("\n")[0])
+
+
 # The writer process's side: its output settings, store and encoders, set up once by _start_writer.
 _OUT: dict = {}
 
@@ -160,7 +173,7 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
     """Initializer of the writer process: open the store, start the encoders, and pay every first-use cost now
     (imports, pyarrow's first Parquet write) rather than while the second shard generates."""
     die_with_parent()
-    warm = (np.zeros((1, 1, 3), np.uint8), output_cfg.png_encoder, output_cfg.png_level)
+    warm = (np.zeros((8, 8, 3), np.uint8), Encoding.from_config(output_cfg))
     encoders = None
     if encode_workers > 1:  # one encoder needs no pool: the writer process encodes itself
         ctx = multiprocessing.get_context("spawn")
@@ -179,16 +192,16 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
 def _write_files(name: str, samples: list[dict]) -> None:
     """In the writer process: encode a shard's images, then write its files (not its state: the caller does)."""
     cfg, encoders = _OUT["cfg"], _OUT["encoders"]
-    items = [(s.pop("pixels"), cfg.png_encoder, cfg.png_level) for s in samples]
-    if cfg.png or cfg.parquet or cfg.webdataset:  # none: state files only (a benchmark's control)
-        pngs: Iterable[bytes] = map(_encode, items)
+    enc = Encoding.from_config(cfg)
+    items = [(s.pop("pixels"), enc) for s in samples]
+    if cfg.image_files or cfg.parquet or cfg.webdataset:  # none: state files only (a benchmark's control)
+        encoded: Iterable[bytes] = map(_encode, items)
         if encoders is not None:
-            pngs = encoders.map(_encode, items, chunksize=max(1, len(items) // (4 * encoders._max_workers)))
-        for s, png in zip(samples, pngs, strict=True):
-            s["png"] = png
+            encoded = encoders.map(_encode, items, chunksize=max(1, len(items) // (4 * encoders._max_workers)))
+        for s, data in zip(samples, encoded, strict=True):
+            s["encoded"] = data
     write_shard(_OUT["store"], name, samples, cfg)
 
 
-def _encode(item: tuple[np.ndarray, str, int]) -> bytes:
-    pixels, encoder, level = item
-    return encode_png(pixels, encoder, level)
+def _encode(item: tuple[np.ndarray, Encoding]) -> bytes:
+    return encode(*item)

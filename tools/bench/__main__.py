@@ -18,9 +18,10 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
 - speed (tools/bench/speed.py): images per prompt (N=1 and N=4 runner vs a bare loop), staged execution with
   offload (weight bytes moved per image against enable_model_cpu_offload), the text encoder parked while
   denoising (resident weights), TaylorSeer against no cache at 20 and 50 steps (time and pixel difference).
-- writer (tools/bench/writer.py): PNG encoding throughput for photographic-like 1024x1024 images through a
-  spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL, levels
-  1 and 6 (targets: >= 6 images/s per process for the default imagecodecs level 1, >= 1.8x that with 2).
+- writer (tools/bench/writer.py): encoding throughput for photographic-like 1024x1024 images through a
+  spawned process pool, as the background writer encodes, with 1 and 2 processes, imagecodecs and PIL: PNG at
+  levels 1 and 6, JPEG and WebP at quality 95, lossless WebP (targets: >= 6 images/s per process for the
+  default imagecodecs PNG level 1, >= 1.8x that with 2).
 
 Timings on a shared machine are noisy: run it when `uptime` shows little load, and read the min-max spread.
 On a CUDA host, `--device cuda` runs the runner part on the GPU (memory and writer stay on the CPU);
@@ -83,7 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--writer-processes", type=_ints, default=(1, 2))
     g.add_argument("--writer-repeats", type=int, default=3)
     g.add_argument("--writer-encoders", type=lambda t: tuple(t.split(",")), default=("imagecodecs", "pil"))
-    g.add_argument("--writer-levels", type=_ints, default=(1, 6))
+    g.add_argument("--writer-levels", type=_ints, default=(1, 6), help="PNG zlib levels")
+    g.add_argument(
+        "--writer-formats", type=lambda t: tuple(t.split(",")), default=("png", "jpeg", "webp", "webp-lossless")
+    )
+    g.add_argument("--writer-quality", type=int, default=95, help="JPEG and lossy WebP quality")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     unknown = set(args.parts) - set(PARTS)
@@ -147,6 +152,8 @@ def run(args: argparse.Namespace) -> dict:
                 args.writer_encoders,
                 args.writer_levels,
                 repeats=args.writer_repeats,
+                formats=args.writer_formats,
+                quality=args.writer_quality,
             )
     result["environment"]["loadavg_end"] = os.getloadavg()
     return result

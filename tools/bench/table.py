@@ -81,10 +81,12 @@ def writer_lines(w: dict) -> list[tuple[str, str, str, str]]:
     for r in w["rows"]:
         rates = r["all_images_per_s"]
         note = f"{r['images_per_s_per_process']:.2f}/s per process, x{r['speedup']:.2f}, {r['mb_per_image']:.2f} MB"
-        if (r["encoder"], r["level"]) == ("imagecodecs", 1) and r["processes"] in (1, 2):
+        if (r.get("format", "png"), r["encoder"], r["level"]) == ("png", "imagecodecs", 1) and r["processes"] in (1, 2):
             key = "writer_per_process" if r["processes"] == 1 else "writer_speedup_2"
             note += "; " + _verdict(key, r["images_per_s_per_process"] if r["processes"] == 1 else r["speedup"])
-        name = f"{r['encoder']} level {r['level']}, {r['processes']} proc images/s"
+        fmt = r.get("format", "png")
+        setting = {"png": f" level {r['level']}", "jpeg": f" quality {r['level']}", "webp": f" quality {r['level']}"}
+        name = f"{fmt} {r['encoder']}{setting.get(fmt, '')}, {r['processes']} proc images/s"
         rows.append((name, f"{r['images_per_s']:.2f}", f"{min(rates):.2f}-{max(rates):.2f}", note))
     return rows
 

@@ -1,11 +1,11 @@
-"""Writer throughput: how many 1024x1024 images per second the PNG encoding pool turns into PNG bytes.
+"""Writer throughput: how many 1024x1024 images per second the encoding pool turns into PNG, JPEG or WebP bytes.
 
 Flat or purely synthetic images compress an order of magnitude faster than photographs and mislead, so the
 images are photographic-like: hard-edged objects softened by a lens blur, shading and texture at several
 scales, and sensor noise (about 1.9 MB each as PNG at level 1, like a real 1024x1024 photograph). They go
-through the runner's own encoding function (`launcher.worker.writer.encode_png`) in a spawned process pool chunked the
+through the runner's own encoding function (`launcher.worker.encode.encode`) in a spawned process pool chunked the
 way the writer process (`launcher.worker.bgwriter._write_files`) chunks a shard, with 1 and 2 processes, for each
-encoder and level.
+format, library (imagecodecs, Pillow) and PNG level; JPEG and WebP at quality 95, lossless WebP.
 The pool is started and warmed before timing: its start-up is paid once per run, while the model loads.
 """
 
@@ -17,6 +17,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
+
+from launcher.worker.encode import Encoding, encode
 
 
 def photo_like(size: int = 1024, seed: int = 0) -> np.ndarray:
@@ -41,24 +43,38 @@ def photo_like(size: int = 1024, seed: int = 0) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def _encode(item: tuple[np.ndarray, str, int]) -> int:
-    from launcher.worker.writer import encode_png
-
-    return len(encode_png(*item))
+def _encode(item: tuple[np.ndarray, Encoding, str]) -> int:
+    return len(encode(*item))
 
 
 def _warm(_: int) -> int:
-    import launcher.worker.writer  # noqa: F401  (the import is what a worker's first task pays)
+    import launcher.worker.encode  # noqa: F401  (the import is what a worker's first task pays)
 
     return 0
 
 
-def encode_rate(images: list[np.ndarray], encoder: str, level: int, processes: int, count: int) -> dict:
+def variants(formats, encoders, levels, quality: int) -> list[tuple[str, Encoding, str, int]]:
+    """(format label, encoding, library, level) for each combination: PNG at each zlib level, JPEG and lossy WebP at
+    `quality`, lossless WebP; WebP at the runner's default effort (method 0)."""
+    out = []
+    for fmt in formats:
+        for lib in encoders:
+            if fmt == "png":
+                out += [(fmt, Encoding("png", png_level=lv), lib, lv) for lv in levels]
+            elif fmt == "webp-lossless":
+                out.append((fmt, Encoding("webp", lossless=True), lib, 0))
+            else:
+                out.append((fmt, Encoding(fmt, quality=quality), lib, quality))
+    return out
+
+
+def encode_rate(images: list[np.ndarray], enc: Encoding, library: str, processes: int, count: int) -> dict:
     """Encode `count` images (cycling through `images`) with `processes` spawned workers; images/s and sizes."""
     ctx = multiprocessing.get_context("spawn")  # as BackgroundWriter: its process holds threads a fork would copy
     with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
         list(pool.map(_warm, range(processes * 2)))
-        items = [(images[i % len(images)], encoder, level) for i in range(count)]
+        list(pool.map(_encode, [(images[0], enc, library)] * processes))  # the codec's own first-call set-up
+        items = [(images[i % len(images)], enc, library) for i in range(count)]
         chunk = max(1, count // (4 * processes))
         t0 = time.perf_counter()
         sizes = list(pool.map(_encode, items, chunksize=chunk))
@@ -74,28 +90,31 @@ def bench_writer(
     levels: tuple[int, ...] = (1, 6),
     distinct: int = 6,
     repeats: int = 1,
+    formats: tuple[str, ...] = ("png", "jpeg", "webp", "webp-lossless"),
+    quality: int = 95,
 ) -> dict:
-    """images/s for every (encoder, level, processes): the median of `repeats` runs, with all of them."""
+    """images/s for every (format, encoder, level, processes): the median of `repeats` runs, with all of them."""
     images = [photo_like(size, seed) for seed in range(distinct)]
     rows = []
-    for encoder in encoders:
-        for level in levels:
-            for p in processes:
-                runs = [encode_rate(images, encoder, level, p, count) for _ in range(repeats)]
-                rates = [r["images_per_s"] for r in runs]
-                rows.append(
-                    {
-                        "encoder": encoder,
-                        "level": level,
-                        "processes": p,
-                        "images_per_s": statistics.median(rates),
-                        "images_per_s_per_process": statistics.median(rates) / p,
-                        "all_images_per_s": rates,
-                        "mb_per_image": runs[0]["mb_per_image"],
-                    }
-                )
-    for r in rows:  # scaling against the same encoder and level with the fewest processes
-        same = [b for b in rows if (b["encoder"], b["level"]) == (r["encoder"], r["level"])]
+    for fmt, enc, lib, level in variants(formats, encoders, levels, quality):
+        for p in processes:
+            runs = [encode_rate(images, enc, lib, p, count) for _ in range(repeats)]
+            rates = [r["images_per_s"] for r in runs]
+            rows.append(
+                {
+                    "format": fmt,
+                    "encoder": lib,
+                    "level": level,
+                    "processes": p,
+                    "images_per_s": statistics.median(rates),
+                    "images_per_s_per_process": statistics.median(rates) / p,
+                    "all_images_per_s": rates,
+                    "mb_per_image": runs[0]["mb_per_image"],
+                }
+            )
+    for r in rows:  # scaling against the same variant with the fewest processes
+        same = [b for b in rows if (b["format"], b["encoder"], b["level"]) == (r["format"], r["encoder"], r["level"])]
         base = min(same, key=lambda b: b["processes"])
         r["speedup"] = r["images_per_s"] / base["images_per_s"]
-    return {"settings": {"size": size, "count": count, "distinct_images": distinct, "repeats": repeats}, "rows": rows}
+    settings = {"size": size, "count": count, "distinct_images": distinct, "repeats": repeats, "quality": quality}
+    return {"settings": settings, "rows": rows}

@@ -1,0 +1,136 @@
+"""A clean terminal: the progress bar stays at the bottom, with the launcher's and the workers' lines above it.
+
+Each worker's stdout and stderr go to files, `OUTPUT_DIR/logs/<run id>/rank-N.log` (stderr, where logging
+goes) and `rank-N.stdout.log`, through torch elastic's own redirection: a `LogsSpecs` decides where each local
+rank's streams go (torchrun's `--log-dir/--redirects/--tee` build its `DefaultLogsSpecs`, whose layout is
+`<dir>/<rdzv id>_<random>/attempt_0/<local rank>/stderr.log`; ours is named by run id and global rank). Torch's
+own tee would write every line straight to the terminal, through the bar; instead one `TailLog` (torch's
+tailer) per stream follows the files and hands the lines it keeps to `tqdm.write`, which clears the bar, prints
+the line and redraws the bar. The launcher's own log records go through `tqdm`'s logging redirection.
+
+By default the terminal gets one line per shard event (a shard done or failed, logged by the workers on the
+`SHARD_EVENTS` logger) and the workers' warnings and errors; the files hold everything. MESHGEN_VERBOSE=1 shows
+every line of every rank. On an object store the files are written locally and uploaded at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from launcher.ledger.store import Store
+from launcher.logs import RANK_LOGS_ENV, SHARD_EVENTS
+
+logger = logging.getLogger(__name__)
+LOGS_DIR = "logs"
+# A worker's log line, as launcher/logs.py formats it: "[rank3] 12:00:00 WARNING name: message".
+_RECORD = re.compile(r"^\[rank\d+\] \S+ (?P<level>[A-Z]+) (?P<name>\S+): ")
+_SHOWN_LEVELS = ("WARNING", "ERROR", "CRITICAL")
+
+
+def shown_by_default(line: str) -> bool:
+    """A shard event, a warning or an error; not the routine lines, continuation lines or libraries' prints."""
+    m = _RECORD.match(line)
+    return bool(m) and (m["name"] == SHARD_EVENTS or m["level"] in _SHOWN_LEVELS)
+
+
+class _BarSafe:
+    """A text stream whose lines go through tqdm.write, so they appear above the bar instead of through it."""
+
+    def write(self, text: str) -> None:
+        tqdm.write(text.rstrip("\n"), file=sys.stderr)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+class RankLogs(LogsSpecs):
+    """torch elastic's LogsSpecs: every local rank's streams to `<folder>/rank-<global rank>.log`, with tailers."""
+
+    def __init__(self, folder: Path, verbose: bool):
+        super().__init__(str(folder), redirects=Std.ALL, tee=Std.NONE)
+        self.folder, self.verbose = folder, verbose
+        self.tailers: list[TailLog] = []
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.folder)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Called by the agent right before it starts the workers: their files, and a tailer over them."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        dest = LogsDest()
+        for local, env in envs.items():
+            base = self.folder / f"rank-{env.get('RANK', local)}"
+            dest.stdouts[local], dest.stderrs[local] = f"{base}.stdout.log", f"{base}.log"
+            dest.error_files[local] = env["TORCHELASTIC_ERROR_FILE"] = f"{base}.error.json"
+        keep = (lambda _: True) if self.verbose else shown_by_default
+        prefixes = {local: f"[rank{env.get('RANK', local)}] " for local, env in envs.items()}
+        for files, prefix in ((dest.stderrs, {k: "" for k in envs}), (dest.stdouts, prefixes)):
+            # Lines of the stderr files carry their rank already (launcher/logs.py's format); stdout's do not.
+            if not self.verbose and files is dest.stdouts:
+                continue
+            self.tailers.append(TailLog("rank", files, _BarSafe(), prefix, log_line_filter=keep).start())
+        return dest
+
+    def stop(self) -> None:
+        for t in self.tailers:  # each reads its files to the end first
+            t.stop()
+        self.tailers.clear()
+
+
+class WorkerLogs:
+    """`with WorkerLogs(store, run_id) as logs:` around the workers' run; `logs.specs` goes to elastic_launch."""
+
+    def __init__(self, store: Store, run_id: str, verbose: bool | None = None):
+        self.store, self.run_id = store, run_id
+        verbose = os.environ.get("MESHGEN_VERBOSE") == "1" if verbose is None else verbose
+        rel = f"{LOGS_DIR}/{run_id}"
+        self._upload = not store.is_local
+        self.folder = Path(tempfile.mkdtemp(prefix="meshgen-logs-")) / run_id if self._upload else Path(store.path(rel))
+        self.shown_folder = store.path(rel)
+        self.specs = RankLogs(self.folder, verbose)
+        self._stack = ExitStack()
+
+    def rank_log(self, rank: int) -> str:
+        return f"{self.shown_folder}/rank-{rank}.log"
+
+    def __enter__(self) -> WorkerLogs:
+        self._stack.enter_context(logging_redirect_tqdm())
+        os.environ[RANK_LOGS_ENV] = "1"  # the workers log everything to their files (every rank at INFO)
+        logger.info("worker logs: %s/rank-N.log (MESHGEN_VERBOSE=1 shows every line here)", self.shown_folder)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.specs.stop()
+        os.environ.pop(RANK_LOGS_ENV, None)
+        self._stack.close()
+        if self._upload and self.folder.exists():
+            for f in sorted(self.folder.iterdir()):
+                self.store.write_bytes(f"{LOGS_DIR}/{self.run_id}/{f.name}", f.read_bytes())
+            shutil.rmtree(self.folder.parent, ignore_errors=True)
+
+
+def launch_workers(args, logs: WorkerLogs | None = None) -> None:
+    """What torch.distributed.run.run does with parsed torchrun arguments, with our LogsSpecs when given."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if args.standalone:  # as torch.distributed.run.run: a local c10d rendezvous on a free port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, cmd, cmd_args = config_from_args(args)
+    if logs is not None:
+        config.logs_specs = logs.specs
+    elastic_launch(config=config, entrypoint=cmd)(*cmd_args)

@@ -1,0 +1,81 @@
+"""Image formats (issue 17): PNG, JPEG and WebP written by real runs, read back by PIL, datasets and webdataset."""
+
+import io
+import tarfile
+
+import numpy as np
+import pyarrow.parquet as pq
+from conftest import launch, pixels, read_rows
+from PIL import Image
+
+from launcher.worker.encode import Encoding, encode
+
+JPEG_JOB = ("output.format=jpeg", "output.webdataset=true", "output.row_group_size=3")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(float) - b.astype(float)) ** 2).mean())
+    return 10 * np.log10(255**2 / mse) if mse else float("inf")
+
+
+def test_jpeg_run_writes_jpg_files_parquet_paths_and_webdataset_keys(run_job):
+    png, out = read_rows(run_job()), run_job(*JPEG_JOB)
+    rows = read_rows(out)
+    assert rows.keys() == png.keys()
+    for key, r in rows.items():
+        assert r["image"]["path"] == f"{key}.jpg"
+        shard = f"shard-{int(key) // 8:05d}"
+        assert (out / "images" / shard / f"{key}.jpg").read_bytes() == r["image"]["bytes"]
+        image = Image.open(io.BytesIO(r["image"]["bytes"]))
+        assert image.format == "JPEG" and image.size == (64, 64)
+        # The very image the PNG run holds losslessly (the same seed gives the same pixels), at quality 95: these
+        # random-weight images are noise, which JPEG's chroma subsampling blurs, hence a low PSNR bound.
+        original = pixels(png[key]["image"]["bytes"]).astype(np.uint8)
+        assert r["image"]["bytes"] == encode(original, Encoding("jpeg", quality=95))
+        assert psnr(pixels(r["image"]["bytes"]), original) > 18
+    assert not list((out / "images").rglob("*.png"))
+    with tarfile.open(out / "webdataset" / "shard-00000.tar") as tar:
+        assert tar.getnames() == [f"{i}.{ext}" for i in range(8) for ext in ("jpg", "json")]
+    import webdataset as wds
+
+    samples = list(wds.WebDataset(str(out / "webdataset" / "shard-00000.tar"), shardshuffle=False).decode("pil"))
+    assert [s["__key__"] for s in samples] == [str(i) for i in range(8)]
+    assert isinstance(samples[0]["jpg"], Image.Image) and samples[0]["jpg"].size == (64, 64)
+
+
+def test_datasets_decodes_jpeg_and_webp_as_images(run_job):
+    import datasets
+
+    jobs = {"JPEG": JPEG_JOB, "WEBP": ("output.format=webp",)}
+    for expected, job in jobs.items():
+        out = run_job(*job)
+        ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
+        assert isinstance(ds.features["image"], datasets.Image), expected
+        assert len(ds) == 20 and ds[0]["image"].format == expected and ds[0]["image"].size == (64, 64)
+    webp = read_rows(run_job("output.format=webp"))
+    assert all(r["image"]["path"].endswith(".webp") for r in webp.values())
+
+
+def test_lossless_webp_keeps_the_pixels_and_the_old_png_key_works(run_job, tiny_model, tmp_path):
+    png = read_rows(run_job())
+    out = tmp_path / "out"
+    job = ["output.format=webp", "output.lossless=true", "output.png=false"]
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", *job)
+    assert res.returncode == 0, res.stderr[-3000:]
+    notices = [ln for ln in res.stderr.splitlines() if "output.png is now called output.image_files" in ln]
+    assert len(notices) == 1, res.stderr[-3000:]
+    assert not (out / "images").exists()  # output.png=false still means no image files
+    rows = read_rows(out)
+    for key, r in rows.items():
+        assert Image.open(io.BytesIO(r["image"]["bytes"])).format == "WEBP"
+        assert np.array_equal(pixels(r["image"]["bytes"]), pixels(png[key]["image"]["bytes"])), key
+
+
+def test_row_groups_hold_a_fixed_number_of_rows(run_job):
+    out = run_job(*JPEG_JOB)
+    f = pq.ParquetFile(out / "data" / "shard-00000.parquet")
+    assert [f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)] == [3, 3, 2]
+    group = f.read_row_group(1, columns=["id", "image"])  # one group alone, without the rest of the file
+    assert group.column("id").to_pylist() == ["3", "4", "5"]
+    assert Image.open(io.BytesIO(group.column("image")[0].as_py()["bytes"])).size == (64, 64)
+    assert pq.ParquetFile(out / "data" / "shard-00002.parquet").metadata.num_row_groups == 2  # 4 rows: 3 + 1

@@ -1,0 +1,63 @@
+"""A clean terminal (issue 17): worker lines above the bar, one per shard event; per-rank log files hold the rest."""
+
+import re
+
+from conftest import launch
+
+from launcher.host.terminal import shown_by_default
+
+
+def segments(stderr: str) -> list[str]:
+    """What a terminal would show as separate pieces: a bar redraw starts with a carriage return."""
+    return [s.strip() for s in re.split(r"[\r\n]", stderr) if s.strip()]
+
+
+def run_log_dir(out, stderr: str):
+    [pointer] = [s for s in segments(stderr) if "worker logs: " in s]
+    path = pointer.split("worker logs: ")[1].split(" ")[0]
+    assert path.startswith(str(out / "logs")) and path.endswith("/rank-N.log")
+    return out / "logs" / path.split("/")[-2]
+
+
+def test_default_terminal_shows_one_line_per_shard_event_and_files_hold_the_rest(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "testing.fail_shards=[1]")
+    assert res.returncode == 3, res.stderr[-3000:]
+    pieces = segments(res.stderr)
+    # No worker line cuts through the bar: every piece that holds a log line starts with it.
+    assert all(p.startswith("[rank") for p in pieces if "[rank" in p), [p for p in pieces if "[rank" in p][:5]
+    events = [p for p in pieces if "meshgen.shards" in p]
+    assert sorted(re.search(r"shard \d (done|failed)", p)[0] for p in events) == [
+        "shard 0 done",
+        "shard 1 failed",
+        "shard 2 done",
+    ], events
+    assert "InjectedFailure" in next(p for p in events if "shard 1 failed" in p)
+    assert not [p for p in pieces if "launcher.worker." in p]  # routine worker lines stay in the files
+    logs = run_log_dir(out, res.stderr)
+    assert sorted(f.name for f in logs.glob("rank-*.log")) == ["rank-0.log", "rank-0.stdout.log", "rank-1.log"] + [
+        "rank-1.stdout.log"
+    ]
+    rank1 = (logs / "rank-1.log").read_text()
+    assert "[rank1]" in rank1 and "transformer sharded over tp=2" in rank1  # every rank logs everything to its file
+    assert "shard 1 failed" in (logs / "rank-0.log").read_text()
+
+
+def test_verbose_shows_every_rank_line(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "dataset.limit=2", env={"MESHGEN_VERBOSE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    pieces = segments(res.stderr)
+    assert [p for p in pieces if p.startswith("[rank1]") and "transformer sharded over tp=2" in p]
+    assert [p for p in pieces if p.startswith("[rank0]") and "launcher.worker.runner" in p]
+    assert all(p.startswith("[rank") for p in pieces if "[rank" in p)
+    assert (run_log_dir(out, res.stderr) / "rank-1.log").is_file()
+
+
+def test_the_default_filter():
+    assert shown_by_default("[rank0] 10:00:00 INFO meshgen.shards: shard 3 done: 8 images in 1.0 s\n")
+    assert shown_by_default("[rank2] 10:00:00 WARNING launcher.worker.runner: slow\n")
+    assert shown_by_default("[rank1] 10:00:00 ERROR launcher.worker.main: boom\n")
+    assert not shown_by_default("[rank0] 10:00:00 INFO launcher.worker.pipeline: transformer sharded over tp=2\n")
+    assert not shown_by_default('  File "x.py", line 3, in <module>\n')  # a traceback's lines stay in the file
+    assert not shown_by_default("some library's print\n")
