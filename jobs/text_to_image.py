@@ -48,8 +48,9 @@ class Batch:
                     sample["prompt_id"] = row["id"]
                 sample["negative_prompt"] = row.get("negative_prompt")
                 # The same rounding as diffusers' numpy_to_pil, without the PIL round trip.
-                sample["pixels"] = (images[i * n + k] * 255).round().astype("uint8")
-                out.append({**sample, **self.settings})
+                pixels = sample["pixels"] = (images[i * n + k] * 255).round().astype("uint8")
+                # The size the image really has, whatever was asked for (a pipeline may round it).
+                out.append({**sample, **self.settings, "height": pixels.shape[0], "width": pixels.shape[1]})
         return out
 
 

@@ -44,6 +44,8 @@ def bad(tmp_path_factory, tiny_model) -> Path:
         "dup.jsonl": b'{"key": 1, "prompt": "a"}\n{"key": 7, "prompt": "b"}\n{"key": 7, "prompt": "c"}\n',
         "prompts.tsv": b"a\tb\n",
         "ok.txt": b"a\nb\n",
+        "height.jsonl": b'{"prompt": "a", "height": 64}\n{"prompt": "b", "height": 100}\n',
+        "huge.jsonl": b'{"prompt": "a"}\n{"prompt": "b", "height": 1000000, "width": 1024}\n',
     }
     for name, data in files.items():
         (d / name).write_bytes(data)
@@ -84,6 +86,8 @@ CASES = {
     "dataset-malformed-csv": (["dataset.path={bad}/bad.csv"], ["bad.csv", "line 3", "expected 2 fields", "got 3"]),
     "dataset-not-utf8": (["dataset.path={bad}/latin1.txt"], ["latin1.txt", "line 2", "UTF-8"]),
     "dataset-bad-seed-column": (["dataset.path={bad}/seed.csv"], ["seed.csv", "line 3", "'seed'", "'x'"]),
+    "row-height-not-multiple": (["dataset.path={bad}/height.jsonl"], ["height.jsonl", "line 2", "height 100", "16"]),
+    "row-size-too-large": (["dataset.path={bad}/huge.jsonl"], ["huge.jsonl", "line 2", "1024x1000000", "megapixels"]),
     "dataset-no-prompt-column": (
         ["dataset.path={bad}/text.jsonl"],
         ["text.jsonl", "dataset.prompt_column", "'prompt'", "columns found: text, lang"],

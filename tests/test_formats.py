@@ -81,6 +81,8 @@ def test_a_run_with_overrides_and_webdataset(tiny_model, tmp_path):
     rows = read_rows(out)
     assert rows["0"]["seed"] == 7
     assert Image.open(io.BytesIO(rows["1"]["image"]["bytes"])).size == (64, 96)
+    for r in rows.values():  # the Parquet row and the WebDataset metadata record the size the image has
+        assert Image.open(io.BytesIO(r["image"]["bytes"])).size == (r["width"], r["height"])
     assert (rows["2"]["num_inference_steps"], rows["2"]["guidance_scale"]) == (2, 1.5)
     assert rows["3"]["negative_prompt"] == "blurry"
     with tarfile.open(out / "webdataset" / "shard-00000.tar") as tar:
@@ -88,6 +90,7 @@ def test_a_run_with_overrides_and_webdataset(tiny_model, tmp_path):
         assert names == [f"{i}.{ext}" for i in range(4) for ext in ("png", "json")]
         assert tar.extractfile("1.png").read() == rows["1"]["image"]["bytes"]
         assert json.loads(tar.extractfile("0.json").read())["seed"] == 7
+        assert json.loads(tar.extractfile("1.json").read())["height"] == 96
     import webdataset as wds
 
     samples = list(wds.WebDataset(str(out / "webdataset" / "shard-00000.tar"), shardshuffle=False))
