@@ -78,9 +78,13 @@ def timed_launch(args: list[str], env: dict, log: Path | None = None) -> dict:
     root, peaks = psutil.Process(proc.pid), {}
     while proc.poll() is None:
         try:
+            top = root.cmdline()
             for p in [root, *root.children(recursive=True)]:
+                cmd = p.cmdline()
+                if p != root and cmd == top:
+                    continue  # forked, not yet exec'd (a subprocess starting): the launcher's pages, counted twice
                 rss = p.memory_info().rss
-                role = "worker" if "launcher.worker" in " ".join(p.cmdline()) else "launcher" if p == root else "other"
+                role = "worker" if "launcher.worker" in " ".join(cmd) else "launcher" if p == root else "other"
                 peaks[(role, p.pid)] = max(peaks.get((role, p.pid), 0), rss)
         except psutil.Error:
             pass
