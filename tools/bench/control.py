@@ -10,7 +10,7 @@ warm (the nightly case), with the peak resident memory of every process of the j
 At the largest local size it also runs with shard 0 pending, against the same job over a one-shard source: the
 launcher's peak, and each worker's peak above that of the small job (the loaded model is the same in both).
 On S3 (a local moto server, whose access log counts the requests) the source and the folder are both in the
-bucket; --s3-done shards against one shard gives the issue's "at most 3 s slower" comparison.
+bucket; --s3-done one-prompt shards against a one-prompt folder gives the issue's "at most 3 s slower" comparison.
 """
 
 from __future__ import annotations
@@ -205,21 +205,23 @@ def bench_control(model: str, sizes: list[int], s3_sizes: list[int], s3_done: in
                 secret_key="bench",
                 region="us-east-1",
             )
-            for n in [*s3_sizes, *([s3_done * shard_size, shard_size] if s3_done else [])]:
+            # The sizes of the table, then the issue's comparison: s3_done one-image shards against one.
+            runs = [(n, shard_size) for n in s3_sizes] + ([(s3_done, 1), (1, 1)] if s3_done else [])
+            for n, size in runs:
                 key = f"bench/p{n}.jsonl"
                 local = work / f"p{n}.jsonl"
                 if not local.exists():
                     write_source(local, n)
                 pafs.copy_files(str(local), key, pafs.LocalFileSystem(), fs)
                 before = server.requests()
-                run = start_run(model, f"s3://{key}", f"s3://bench/out{n}", shard_size, server.env)
+                run = start_run(model, f"s3://{key}", f"s3://bench/out{n}-{size}", size, server.env)
                 run["requests_fill_and_runs"] = server.requests() - before
                 mark = server.requests()
                 run["warm_again"] = timed_launch(
                     job_args(model, f"s3://{key}", f"s3://bench/out{n}", shard_size), server.env
                 )
                 run["requests_one_warm_start"] = server.requests() - mark
-                result["s3"][n] = run
+                result["s3"][f"{n}/{size}"] = run
                 print(f"s3 {n}: {run}", file=sys.stderr)
         finally:
             server.close()
@@ -250,14 +252,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(r: dict) -> str:
     lines = [
-        "| store | prompts | shards | nothing-to-do start, cold / warm (s) | peak MB launcher (warm) | requests |",
+        "| store | prompts | shards | nothing-to-do start, cold / warm / again (s) | peak MB launcher | requests |",
         "|---|---|---|---|---|---|",
     ]
     for store in ("local", "s3"):
         for n, run in r[store].items():
+            prompts = int(str(n).split("/")[0])
+            starts = " / ".join(str(run[k]["wall_s"]) for k in ("cold", "warm", "warm_again") if k in run)
+            peak = run["warm"]["peak_mb"].get("launcher")
             lines.append(
-                f"| {store} | {int(n):,} | {run['shards']:,} | {run['cold']['wall_s']} / {run['warm']['wall_s']} "
-                f"| {run['warm']['peak_mb'].get('launcher')} | {run.get('requests_one_warm_start', '')} |"
+                f"| {store} | {prompts:,} | {run['shards']:,} | {starts} | {peak} | {run.get('requests_one_warm_start', '')} |"
             )
     if "shard0_pending" in r:
         s = r["shard0_pending"]
