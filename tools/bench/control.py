@@ -259,10 +259,8 @@ def table(r: dict) -> str:
         for n, run in r[store].items():
             prompts = int(str(n).split("/")[0])
             starts = " / ".join(str(run[k]["wall_s"]) for k in ("cold", "warm", "warm_again") if k in run)
-            peak = run["warm"]["peak_mb"].get("launcher")
-            lines.append(
-                f"| {store} | {prompts:,} | {run['shards']:,} | {starts} | {peak} | {run.get('requests_one_warm_start', '')} |"
-            )
+            peak, requests = run["warm"]["peak_mb"].get("launcher"), run.get("requests_one_warm_start", "")
+            lines.append(f"| {store} | {prompts:,} | {run['shards']:,} | {starts} | {peak} | {requests} |")
     if "shard0_pending" in r:
         s = r["shard0_pending"]
         lines.append(
