@@ -80,6 +80,11 @@ def run_clean(job: list[str], out: Path) -> Path:
     return out
 
 
+def worker_logs(out: Path) -> str:
+    """Every worker's own lines: they go to OUTPUT_DIR/logs/<run id>/rank-N.log, not to the terminal."""
+    return "".join(p.read_text() for p in sorted(Path(out).glob("logs/*/rank-*.log")))
+
+
 def read_rows(out) -> dict[str, dict]:
     """Every sample of a run folder (a local path or an s3:// URL), by id, read back from its Parquet files."""
     from launcher.ledger.store import Store

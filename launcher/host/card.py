@@ -65,6 +65,7 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
                 "error": (st.get("error") or "").strip().split("\n")[0],
                 "finished_at": finished,
                 "stages": stage_seconds(st),
+                "data_bytes": st.get("data_bytes"),
             }
         )
     done = [s for s in shards if s["status"] == "done"]
@@ -99,11 +100,13 @@ def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], dict]:
     present = [f"{DATA_DIR}/{i.base_name}" for i in listing]
     files = [f for f in present if f.split("/")[-1] in done]
     sizes = {i.base_name: i.size for i in listing}
-    # From the states and the listing, not a read per Parquet file (40k shards would cost 40k requests). The
-    # bytes are mostly encoded images, which Parquet stores as they are: the files' size stands for num_bytes.
+    # From the states and the listing, not a read per Parquet file (40k shards would cost 40k requests): each
+    # state keeps its data's uncompressed size (states of older runs do not: their file's size stands in).
+    by_file = {f"{shard_name(s['index'])}.parquet": s for s in summary["shards"] if s["status"] == "done"}
     download = sum(sizes[f.split("/")[-1]] for f in files)
-    rows = sum(s["rows"] or 0 for s in summary["shards"] if s["status"] == "done")
-    totals = {"rows": rows, "num_bytes": download, "download_size": download}
+    num_bytes = sum(by_file[f.split("/")[-1]].get("data_bytes") or sizes[f.split("/")[-1]] for f in files)
+    rows = sum(s["rows"] or 0 for s in by_file.values())
+    totals = {"rows": rows, "num_bytes": num_bytes, "download_size": download}
     return ([f"{DATA_DIR}/*.parquet"] if files and files == present else files), files, totals
 
 

@@ -141,7 +141,9 @@ class BackgroundWriter:
             return
         t0 = time.perf_counter()
         job.samples.sort(key=lambda s: job.order[s["id"]])
-        self._process.submit(_write_files, job.name, job.samples).result()
+        data_bytes = self._process.submit(_write_files, job.name, job.samples).result()
+        if data_bytes is not None:
+            job.state["data_bytes"] = data_bytes
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:
@@ -189,7 +191,7 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
     _OUT.update(store=Store(uri), cfg=output_cfg, encoders=encoders)
 
 
-def _write_files(name: str, samples: list[dict]) -> None:
+def _write_files(name: str, samples: list[dict]) -> int | None:
     """In the writer process: encode a shard's images, then write its files (not its state: the caller does)."""
     cfg, encoders = _OUT["cfg"], _OUT["encoders"]
     enc = Encoding.from_config(cfg)
@@ -200,7 +202,7 @@ def _write_files(name: str, samples: list[dict]) -> None:
             encoded = encoders.map(_encode, items, chunksize=max(1, len(items) // (4 * encoders._max_workers)))
         for s, data in zip(samples, encoded, strict=True):
             s["encoded"] = data
-    write_shard(_OUT["store"], name, samples, cfg)
+    return write_shard(_OUT["store"], name, samples, cfg)
 
 
 def _encode(item: tuple[np.ndarray, Encoding]) -> bytes:

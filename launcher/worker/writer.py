@@ -54,12 +54,14 @@ def schema_of(samples: list[dict]) -> pa.Schema:
     return SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
 
 
-def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> None:
+def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> int | None:
     """Write a shard's files. `samples` hold the row fields of SCHEMA, with `encoded` holding the image's bytes
-    in `output.format`.
+    in `output.format`. Returns the Parquet data's uncompressed size (what `datasets` calls num_bytes), which
+    the state file keeps so that the dataset card need not read every file's footer.
 
     Each file appears whole or not at all (launcher/ledger/store.py). The caller writes the state file after this.
     """
+    data_bytes = None
     ext = EXTENSIONS[output_cfg.format]
     names = [f"{file_stem(s['id'])}.{ext}" for s in samples]
     schema = schema_of(samples)
@@ -76,8 +78,11 @@ def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) 
         table = pa.Table.from_pylist(rows, schema=schema)
         pq.write_table(table, buf, compression="zstd", row_group_size=output_cfg.row_group_size)
         store.write_bytes(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
+        meta = pq.ParquetFile(buf).metadata
+        data_bytes = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
     if output_cfg.webdataset:
         store.write_bytes(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples, ext))
+    return data_bytes
 
 
 def warm_up() -> None:
