@@ -218,7 +218,7 @@ def bench_control(model: str, sizes: list[int], s3_sizes: list[int], s3_done: in
                 run["requests_fill_and_runs"] = server.requests() - before
                 mark = server.requests()
                 run["warm_again"] = timed_launch(
-                    job_args(model, f"s3://{key}", f"s3://bench/out{n}", shard_size), server.env
+                    job_args(model, f"s3://{key}", f"s3://bench/out{n}-{size}", size), server.env
                 )
                 run["requests_one_warm_start"] = server.requests() - mark
                 result["s3"][f"{n}/{size}"] = run
