@@ -44,6 +44,22 @@ def _tokenizer():
     return tok, len(vocab)
 
 
+def tiny_vae():
+    """FLUX.2's VAE at tiny size (4 blocks: scale factor 8, like the real one); FLUX.2-klein shares it."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(2)
+    return AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=64,
+        mid_block_add_attention=False,
+    )
+
+
 def build_tiny(out_dir: str | os.PathLike) -> Path:
     """Write the tiny pipeline to `out_dir` (atomically: a half-built folder never appears there)."""
     import torch
@@ -95,15 +111,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
     )
-    torch.manual_seed(2)
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 8, 8, 8),
-        latent_channels=4,
-        norm_num_groups=4,
-        layers_per_block=1,
-        sample_size=64,
-        mid_block_add_attention=False,
-    )
+    vae = tiny_vae()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
         vae=vae,

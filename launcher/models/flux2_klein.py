@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from launcher.models import Family
-from launcher.models.flux2 import _call_kwargs
+from launcher.models.flux2 import _call_kwargs, tiny_vae
 
 # Qwen3's template, reduced to what the pipeline sends: one user message, the generation prompt, no thinking.
 CHAT_TEMPLATE = (
@@ -65,15 +65,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=False,
     )
-    torch.manual_seed(2)
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 8, 8, 8),
-        latent_channels=4,
-        norm_num_groups=4,
-        layers_per_block=1,
-        sample_size=64,
-        mid_block_add_attention=False,
-    )
+    vae = tiny_vae()  # the same VAE as FLUX.2's
     pipe = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
         vae=vae,
