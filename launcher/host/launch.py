@@ -15,9 +15,9 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+from launcher.host import prepare
 from launcher.host.space import best_effort, warn_if_short
 from launcher.host.summary import Progress, summarize
 from launcher.worker.execution import mode_env
@@ -229,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(conf, overrides)
         device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
         check_settings(cfg)
-        mesh = plan_mesh_early(cfg, device, strict=not dry_run)  # before a download: a misfit costs no weights
+        mesh = prepare.plan_mesh_early(cfg, device, strict=not dry_run)  # before a download: a misfit costs no weights
         if dry_run:
-            mesh = mesh or plan_mesh_now(cfg, device, strict=False)
-            plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
+            mesh = mesh or prepare.plan_mesh_now(cfg, device, strict=False)
+            plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
             print("\n".join([mesh.line(), *(f"# mesh: {w}" for w in mesh.why)]))
             from launcher.workers import resolve_workers
 
@@ -240,55 +240,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# workers: index={index} count={count}")  # first: the torchrun command stays the last line
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
-        ensure_model(cfg)
-        mesh = mesh or plan_mesh_now(cfg, device)
+        prepare.ensure_model(cfg)
+        mesh = mesh or prepare.plan_mesh_now(cfg, device)
         preflight(cfg)  # first: a refusal is the run's only line
         for line in (mesh.line(), *mesh.why):
             logger.info(line.removeprefix("# mesh: "))
         if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
             set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
-        plan_ = launch_plan(cfg, conf, worker_overrides(overrides, cfg, mesh), device)
+        plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
         return supervise(cfg, conf, overrides, plan_)
     except (ConfigError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-
-
-def plan_mesh_early(cfg, device: str, strict: bool = True):
-    """The mesh plan if the model's configs are known without the network (a folder, the cache, the table)."""
-    from launcher.host.download import cached_root
-    from launcher.host.mesh_plan import plan_mesh
-    from launcher.models.checkpoints import published
-
-    root = cached_root(cfg.model.path)
-    return plan_mesh(cfg, device, root, strict) if root is not None or published(cfg.model.path) else None
-
-
-def plan_mesh_now(cfg, device: str, strict: bool = True):
-    from launcher.host.download import cached_root
-    from launcher.host.mesh_plan import plan_mesh
-
-    return plan_mesh(cfg, device, cached_root(cfg.model.path), strict)
-
-
-def worker_overrides(overrides: list[str], cfg, mesh) -> list[str]:
-    """Workers compose the same config; where the launcher resolved `auto`, they get its numbers."""
-    if not mesh.why:
-        return overrides
-    kept = [o for o in overrides if not o.lstrip("+").startswith(("mesh.dp=", "mesh.tp="))]
-    return [*kept, f"mesh.dp={cfg.mesh.dp}", f"mesh.tp={cfg.mesh.tp}"]
-
-
-def ensure_model(cfg) -> None:
-    """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host)."""
-    if cfg.model.build and not Path(cfg.model.path).exists():
-        from launcher.host.family_checks import tiny_family
-
-        tiny_family(cfg).build_tiny(cfg.model.path)  # only at the tiny model's own location, else exit 2
-        return
-    from launcher.host.download import ensure_downloaded
-
-    ensure_downloaded(cfg.model.path)
 
 
 if __name__ == "__main__":
