@@ -28,18 +28,9 @@ import statistics
 import sys
 import time
 
-FLUX1_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
+from launcher.models.checkpoints import PUBLISHED
+
+FLUX1_DEV = dict(PUBLISHED["black-forest-labs/FLUX.1-dev"]["transformer"][2])
 TINY = {**FLUX1_DEV, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (8, 12, 12)}  # fmt: skip
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, datasheets (SXM)
