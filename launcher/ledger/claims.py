@@ -33,28 +33,15 @@ class Claims:
         self.skipped: set[int] = set()  # shards another live run held when we tried them
         self.out_of_space = False  # a claim could not be written: the output is full
 
-    def _dir(self, shard_index: int) -> str:
-        return f"{CLAIMS_DIR}/shard-{shard_index:05d}"
-
-    def _generations(self, shard_index: int) -> list[int]:
-        return sorted(int(f.base_name[1:6]) for f in self.store.files(self._dir(shard_index), ".json"))
-
     def try_claim(self, shard_index: int) -> bool:
-        gens = self._generations(shard_index)
-        if gens:
-            try:
-                newest = self.store.read_json(f"{self._dir(shard_index)}/g{gens[-1]:05d}.json") or {}
-            except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
-                newest = {}
-            if run_alive(self.store, newest.get("worker", -1), newest.get("run_id", "")):
-                self.skipped.add(shard_index)
-                return False
+        gens = _generations(self.store, shard_index)
+        if gens and _live(self.store, _newest(self.store, shard_index, gens)):
+            self.skipped.add(shard_index)
+            return False
         record = {"worker": self.worker, "run_id": self.run_id, "host": socket.gethostname(), "time": time.time()}
         nxt = gens[-1] + 1 if gens else 0
         try:
-            created = self.store.create_exclusive(
-                f"{self._dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode()
-            )
+            created = self.store.create_exclusive(f"{_dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode())
         except OSError as e:
             if not out_of_space(e):
                 raise
@@ -76,26 +63,37 @@ class Claims:
         gen = self.held.pop(shard_index, None)
         if gen is None:
             return
-        for g in self._generations(shard_index):
+        for g in _generations(self.store, shard_index):
             if g <= gen:
-                self.store.delete(f"{self._dir(shard_index)}/g{g:05d}.json")
+                self.store.delete(f"{_dir(shard_index)}/g{g:05d}.json")
         if self.store.is_local:
             try:
-                self.store.local(self._dir(shard_index)).rmdir()  # only if empty
+                self.store.local(_dir(shard_index)).rmdir()  # only if empty
             except OSError:
                 pass
 
 
+def _dir(shard_index: int) -> str:
+    return f"{CLAIMS_DIR}/shard-{shard_index:05d}"
+
+
+def _generations(store: Store, shard_index: int) -> list[int]:
+    return sorted(int(f.base_name[1:6]) for f in store.files(_dir(shard_index), ".json"))
+
+
+def _newest(store: Store, shard_index: int, gens: list[int]) -> dict:
+    try:
+        return store.read_json(f"{_dir(shard_index)}/g{gens[-1]:05d}.json") or {}
+    except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
+        return {}
+
+
+def _live(store: Store, claim: dict) -> bool:
+    return run_alive(store, claim.get("worker", -1), claim.get("run_id", ""))
+
+
 def held_elsewhere(store: Store, shard_index: int, run_id: str) -> int | None:
     """The worker index of another live run whose claim holds this shard, if any (one listing, one read)."""
-    folder = f"{CLAIMS_DIR}/shard-{shard_index:05d}"
-    names = [f.base_name for f in store.files(folder, ".json")]
-    if not names:
-        return None
-    try:
-        newest = store.read_json(f"{folder}/{max(names)}") or {}
-    except ValueError:
-        return None
-    if newest.get("run_id") == run_id or not run_alive(store, newest.get("worker", -1), newest.get("run_id", "")):
-        return None
-    return newest.get("worker")
+    gens = _generations(store, shard_index)
+    newest = _newest(store, shard_index, gens) if gens else {}
+    return newest.get("worker") if newest.get("run_id") not in (None, run_id) and _live(store, newest) else None
