@@ -121,6 +121,9 @@ class TestingConfig:
     # torch.compile backend in place of the device's (tests: aot_eager traces the same fullgraph graphs as
     # inductor without its C++ build, which costs minutes on a busy 2-core machine)
     compile_backend: str | None = None
+    # the launcher waits, after reading the ledger and before planning, until this file exists (race tests: another
+    # worker finishes shards while this one plans)
+    hold_after_ledger_read: str | None = None
 
 
 @dataclass

@@ -35,6 +35,28 @@ def out_of_space(e: BaseException) -> bool:
     return "No space left on device" in text or "Disk quota exceeded" in text or "QuotaExceeded" in text
 
 
+def refused_write(e: BaseException) -> bool:
+    """A write refused for want of permission: a folder made read-only (EROFS: remounted after a disk error),
+    permissions taken away (EACCES, EPERM), or an object store's AccessDenied."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return True
+    text = str(e)
+    return "Read-only file system" in text or "Permission denied" in text or "AccessDenied" in text
+
+
+def unwritable(e: BaseException) -> bool:
+    """The output takes no more writes (no room, or no permission): stop claiming, keep what is done, exit 3."""
+    return out_of_space(e) or refused_write(e)
+
+
+class OutputRefused(Exception):
+    """The output folder refused the run's first writes (read-only, no permission). Exit 3: nothing lost."""
+
+    exit_code = EXIT_SHARDS_FAILED
+
+
 def exit_with(code: int) -> NoReturn:
     """sys.exit(code), minus a second of shut-down: the interpreter's last collections would walk every object
     that torch, diffusers and transformers created (1.1 s measured on CPU; 0.2 s frozen). Exit handlers still run.

@@ -159,3 +159,16 @@ def s3(tmp_path_factory):
         server.wait()
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def shifted_clock(folder: Path, seconds: float) -> dict:
+    """The env of a run whose processes all see time.time() shifted by `seconds` (a host whose clock drifted):
+    a sitecustomize on PYTHONPATH, imported by every Python process of the run, the workers included."""
+    site = folder / f"clock{seconds:+.0f}"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import time\n_real = time.time\n"
+        f"time.time = lambda: _real() + {seconds!r}\n"
+        f"time.time_ns = lambda: int((_real() + {seconds!r}) * 1e9)\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}

@@ -9,6 +9,7 @@ from launcher.errors import ConfigError, LockHeld
 from launcher.ledger.claims import Claims
 from launcher.ledger.lock import RunLock, run_alive
 from launcher.ledger.prompts import read_prompts
+from launcher.ledger.states import state_token
 from launcher.ledger.store import Store
 
 
@@ -16,7 +17,7 @@ def test_a_live_claim_is_respected_and_a_dead_one_taken_over(tmp_path):
     store = Store(tmp_path)
     lock_a = RunLock(store, 0, "run-a")
     lock_a.acquire()
-    a, b = Claims(store, 0, "run-a", 0.0), Claims(store, 1, "run-b", 0.0)
+    a, b = Claims(store, 0, "run-a"), Claims(store, 1, "run-b")
     assert a.try_claim(3)
     assert run_alive(store, 0, "run-a") and not run_alive(store, 0, "run-x")
     assert not b.try_claim(3) and 3 in b.skipped  # run-a holds its lock: the claim is live
@@ -29,12 +30,31 @@ def test_a_live_claim_is_respected_and_a_dead_one_taken_over(tmp_path):
     assert not (tmp_path / "claims" / "shard-00003").exists()
 
 
-def test_a_shard_finished_since_the_run_started_is_given_up(tmp_path):
+def test_a_shard_finished_since_the_ledger_was_read_is_given_up(tmp_path):
+    """Another attempt's done state (not the one this run's plan read) means someone finished it meanwhile,
+    whatever either host's clock says; the state the plan read (or a failed one) is generated again."""
     store = Store(tmp_path)
-    store.write_json("state/shard-00002.json", {"status": "done", "finished_at": 200.0})
-    assert not Claims(store, 0, "late", started=100.0).try_claim(2)  # another worker finished it meanwhile
-    assert Claims(store, 0, "next-night", started=300.0).try_claim(2)  # an older result: redo when selected
+    store.write_json("state/shard-00002.json", {"status": "done", "attempt": "night-1/g00000", "finished_at": 9e9})
+    assert not Claims(store, 0, "late").try_claim(2, seen=None)  # the plan saw no state: finished meanwhile
+    assert not Claims(store, 0, "late").try_claim(2, seen="night-0/g00003")  # another attempt's since
+    assert Claims(store, 0, "all").try_claim(2, seen="night-1/g00000")  # the state it chose to redo (shards=all)
     assert not (tmp_path / "claims" / "shard-00002" / "g00001.json").exists()
+    store.write_json("state/shard-00003.json", {"status": "failed", "attempt": "night-1/g00000"})
+    assert Claims(store, 0, "retry").try_claim(3, seen=None)  # failed since: still ours to generate
+    legacy = {"status": "done", "finished_at": 100.0}  # written before attempts were recorded
+    store.write_json("state/shard-00004.json", legacy)
+    assert Claims(store, 0, "x").try_claim(4, seen=state_token(legacy))
+    assert not Claims(store, 0, "y").try_claim(4, seen=state_token({"status": "done", "finished_at": 99.0}))
+
+
+def test_a_claim_taken_over_is_no_longer_held(tmp_path):
+    store = Store(tmp_path)
+    a, b = Claims(store, 0, "run-a"), Claims(store, 1, "run-b")
+    assert a.try_claim(5) and a.still_held(5) and a.attempt(5) == "run-a/g00000"
+    assert b.try_claim(5)  # run-a holds no lock here: it looks dead to run-b, which takes over
+    assert not a.still_held(5) and b.still_held(5) and b.attempt(5) == "run-b/g00001"
+    a.drop(5)  # run-a leaves the shard alone: nothing of run-b's is deleted
+    assert sorted(p.name for p in (tmp_path / "claims" / "shard-00005").iterdir()) == ["g00000.json", "g00001.json"]
 
 
 def test_a_second_lock_names_the_holder(tmp_path):

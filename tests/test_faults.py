@@ -4,7 +4,9 @@ Every test runs real jobs through launch.sh and compares the result with a clean
 """
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LAUNCH, file_snapshot, launch, read_rows, run_clean, slow_job
+from conftest import LAUNCH, file_snapshot, launch, read_rows, run_clean, shifted_clock, slow_job
 
 N = 24  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run
 
@@ -27,10 +29,8 @@ def clean(job, tmp_path_factory):
     return run_clean(job, tmp_path_factory.mktemp("clean"))
 
 
-def start(*args: str) -> subprocess.Popen:
-    import os
-
-    env = {**os.environ, "PYTHON": sys.executable}
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     return subprocess.Popen([LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -185,8 +185,9 @@ def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_pat
 
 
 def test_a_second_launch_on_a_busy_folder_exits_4(job, clean, tmp_path):
+    """Also when the live run's host clock runs 90 s ahead: liveness never compares two hosts' clocks."""
     out = tmp_path / "out"
-    first = start(*job, f"output.dir={out}")
+    first = start(*job, f"output.dir={out}", env=shifted_clock(tmp_path, 90))
     wait_for(lambda: done_count(out) >= 1)
     res = launch(*job, f"output.dir={out}")
     assert res.returncode == 4
@@ -204,7 +205,16 @@ def test_leftovers_of_a_killed_write_are_cleaned(run_job, tiny_model, tmp_path):
     (out / "data" / ".shard-00001.parquet.tmp-999").write_bytes(b"half")
     (out / "images" / ".shard-00001.tmp-999").mkdir()
     (out / "data" / ".shard-00002.parquet.tmp-999").write_bytes(b"half")  # a done shard's leftover
+    # The folder is shared with other nodes (NFS): another node's write in flight is kept, whatever its pid
+    # means here; another node's leftover untouched for longer than the lock's timeout goes.
+    here = socket.gethostname()
+    (out / "data" / f".shard-00001.parquet.tmp-{here}-999999999").write_bytes(b"dead writer of this host")
+    live = out / "data" / f".shard-00001.parquet.tmp-node-b-{os.getpid()}"
+    live.write_bytes(b"in flight on another node")
+    old = out / "images" / ".shard-00002.tmp-node-c-1"
+    old.mkdir()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
     res = launch(f"model.path={tiny_model}", f"output.dir={out}")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    assert [p for p in out.rglob("*") if ".tmp-" in p.name] == [live]
     assert read_rows(out) == read_rows(run_job())

@@ -2,18 +2,20 @@
 
 kill -9 of the second host's launcher and workers mid-run must stop the first host within 30 s with exit 3 and
 its done shards kept; the same command on both hosts then finishes the job, with the images of a clean run on
-one host. Once with the dp axis across the hosts, once with the tp axis across them.
+one host, while strangers knock on the job's port all along (a port scan, a silent connection, an HTTP probe, a
+fake rank). Once with the dp axis across the hosts, once with the tp axis across them.
 """
 
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
-from conftest import LAUNCH, read_rows, run_clean, slow_job
+from conftest import LAUNCH, launch, read_rows, run_clean, slow_job
 from test_faults import assert_same_as_clean, done_count, wait_for
 
 N = 12
@@ -29,7 +31,7 @@ def start_hosts(job: list[str], port: int) -> list[subprocess.Popen]:
     procs = []
     for node in (0, 1):
         env = {**os.environ, "PYTHON": sys.executable, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1"}
-        env.update(MASTER_PORT=str(port), MESHGEN_PEER_PORT=str(port + 1))
+        env.update(MASTER_PORT=str(port))
         procs.append(
             subprocess.Popen([LAUNCH, *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         )
@@ -60,9 +62,51 @@ def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_m
     kept = done_count(out)
     assert 1 <= kept < N // 2
     second.wait()
-    # The same command on both hosts completes it; the dead run's claims are taken over.
-    first, second = start_hosts(multi, free_port())
+    # The same command on both hosts completes it; the dead run's claims are taken over. Strangers on the job's
+    # port (the rendezvous store the launchers' heartbeats live in) neither stop, block nor blind it.
+    port = free_port()
+    first, second = start_hosts(multi, port)
+    stop = threading.Event()
+    knocks = threading.Thread(target=strangers, args=(port, stop), daemon=True)
+    knocks.start()
     codes = [p.wait(timeout=300) for p in (first, second)]
+    stop.set()
+    knocks.join()
     assert codes == [0, 0], first.stderr.read()[-3000:] + second.stderr.read()[-3000:]
     assert len(read_rows(out)) == N
     assert_same_as_clean(out, clean, N)
+
+
+def strangers(port: int, stop: threading.Event) -> None:
+    """Connect-and-close, a silent connection held open, an HTTP request and a fake rank, over and over."""
+    held = []
+    while not stop.wait(0.3):
+        for payload in (None, b"", b"GET / HTTP/1.0\r\n\r\n", b"1\n", b"-1\n"):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:
+                continue  # not up yet, or between the two runs
+            if payload is None:
+                conn.close()
+                continue
+            if payload:
+                conn.sendall(payload)
+            held.append(conn)  # kept open and silent, as a stuck health probe would
+    for conn in held:
+        conn.close()
+
+
+def test_a_port_in_use_is_one_line_at_start(tiny_model, tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        env = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        job = [f"model.path={tiny_model}", "mesh.nodes=2", "mesh.dp=2", "mesh.tp=1", f"output.dir={tmp_path / 'o'}"]
+        res = launch(*job, env=env, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        f"error: MASTER_PORT {port} cannot be bound on this host (Address already in use); another program holds "
+        "it: pick a free port and set MASTER_PORT to it on every host"
+    ]
+    assert not (tmp_path / "o").exists()

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld
+from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld, OutputRefused
 from launcher.host import prepare
 from launcher.host.space import best_effort, warn_if_short
 from launcher.host.summary import Progress, summarize
@@ -100,12 +100,12 @@ def run_hosts(cfg, args: list[str], logs=None) -> int:
     """run_elastic, and on a multi-host job the watch that stops this host when another is lost (exit 3)."""
     if cfg.mesh.nodes == 1:
         return run_elastic(args, logs)
-    from launcher.host.peers import PeerWatch, peer_port
+    from launcher.host.peers import PeerWatch, store_address
 
     node = int(os.environ.get("NODE_RANK", "0"))
-    with PeerWatch(node, cfg.mesh.nodes, os.environ.get("MASTER_ADDR", "127.0.0.1"), peer_port()) as watch:
+    with PeerWatch(node, cfg.mesh.nodes, *store_address()) as watch:
         code = run_elastic(args, logs)
-        if code != EXIT_OK and watch.settle():
+        if watch.lost or (code != EXIT_OK and watch.settle()):
             logger.error("lost a host (%s); run the same command on every host to finish the job", watch.lost)
             return EXIT_SHARDS_FAILED
     return code
@@ -131,7 +131,9 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     if not cfg.run.overwrite:
         runs.check_run_json(store, cfg)
     ledger = Ledger(store)
-    plan = make_plan(cfg, ledger.refresh(), sizes)  # validates the source and the selection before any write
+    states = ledger.refresh()
+    _hold(cfg.testing.hold_after_ledger_read)
+    plan = make_plan(cfg, states, sizes)  # validates the source and the selection before any write
     index, _ = resolve_workers(cfg)
     start = time.time()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -169,8 +171,8 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         full |= best_effort("the dataset card", write_card, store, ledger.states)
     for line in lines:
         logger.info(line)
-    last = stopped_by_space(cfg, store, ledger.states, run_id, full)
-    if last and code == EXIT_SHARDS_FAILED:
+    last = stopped_by_space(cfg, store, ledger.states, run_id, full) if code == EXIT_SHARDS_FAILED else None
+    if last:
         print(last, file=sys.stderr)  # the last line: what stopped the run and how to finish it
     return code
 
@@ -185,12 +187,21 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     warn_if_short(cfg, store, samples)
     if best_effort("the run's plan", write_plan_file, store, plan_rel(run_id), cfg, plan, sizes):
         return EXIT_SHARDS_FAILED, True
-    os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id, MESHGEN_RUN_START=repr(start))
+    os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id)
     try:
         with WorkerLogs(store, run_id) as logs, Progress(ledger, samples, run_id):
             return run_hosts(cfg, plan_.torchrun_args, logs), False
     finally:
-        store.delete(plan_rel(run_id))
+        best_effort("the removal of the run's plan", store.delete, plan_rel(run_id))
+
+
+def _hold(path: str | None) -> None:
+    """testing.hold_after_ledger_read: say so (`path`.waiting), then wait (at most 10 minutes) until `path` exists."""
+    if path:
+        open(f"{path}.waiting", "w").close()
+    deadline = time.monotonic() + 600
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
@@ -243,13 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         prepare.ensure_model(cfg)
         mesh = mesh or prepare.plan_mesh_now(cfg, device)
         preflight(cfg)  # first: a refusal is the run's only line
+        if cfg.mesh.nodes > 1:
+            from launcher.host.peers import check_store_port
+
+            check_store_port(int(os.environ.get("NODE_RANK", "0")))
         for line in (mesh.line(), *mesh.why):
             logger.info(line.removeprefix("# mesh: "))
         if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
             set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
         plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
         return supervise(cfg, conf, overrides, plan_)
-    except (ConfigError, LockHeld) as e:
+    except (ConfigError, LockHeld, OutputRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 

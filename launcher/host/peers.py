@@ -2,12 +2,16 @@
 
 torch's elastic agent on each host watches only its own workers: when another host dies, a worker blocked in a
 collective waits for `run.timeout_s`, and a worker that is not waits at the agent's exit barrier (300 s), after
-which the job used to look finished. So the launchers keep one TCP connection each to the first host's launcher
-(`MASTER_ADDR`, port `MASTER_PORT + 1` unless `MESHGEN_PEER_PORT` says otherwise) and send a heartbeat every
-second. A connection that closes without a goodbye (kill -9 closes it at once) or stays silent for LOST_AFTER_S
-(a host that lost power sends nothing at all) means a lost host: this launcher then stops its own workers, as a
-SIGTERM would, and exits 3 with done shards kept. The first host closes every other connection when it stops,
-so every host learns of the loss.
+which the job used to look finished. So each launcher keeps a heartbeat in the store that torch's launch already
+runs for the rendezvous (the c10d TCPStore on `MASTER_ADDR:MASTER_PORT`, served by the first host's agent): a
+counter per host, `meshgen/peer/<node>/beat`, that its launcher increments every second, and that every other
+launcher watches. That adds no listener and no trust boundary of meshgen's own: a port scan, a health probe or
+an HTTP request on that port meets torch's store, which drops what it cannot parse.
+
+A host is lost when its counter stops changing for LOST_AFTER_S as the watcher's own monotonic clock sees it
+(no two hosts' clocks are ever compared), or, for the first host that serves the store, when the store stays
+unreachable that long. A launcher that ends sets `meshgen/peer/<node>/bye` first, so that its silence is not a
+loss. On a loss this launcher stops its own workers, as a SIGTERM would, and exits 3 with done shards kept.
 """
 
 from __future__ import annotations
@@ -18,40 +22,66 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
+
+from launcher.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 10.0
-CONNECT_FOR_S = 900.0  # how long a host waits for the first host's launcher to come up (torch's own join timeout)
+CONNECT_FOR_S = 900.0  # how long a host waits for the first host's store to come up (torch's own join timeout)
+OP_TIMEOUT_S = 3.0  # one store call; a slower answer counts as no answer
+RDZV_ID = "none"  # torchrun's default --rdzv-id, which launch.py's multi-host command keeps
 
 
-def peer_port() -> int:
-    return int(os.environ.get("MESHGEN_PEER_PORT") or int(os.environ.get("MASTER_PORT", "29500")) + 1)
+def store_address() -> tuple[str, int]:
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+
+
+def check_store_port(node_rank: int) -> None:
+    """On the first host, the rendezvous port must be free: torch's agent binds it, and fails deep inside."""
+    if node_rank != 0:
+        return
+    import errno
+
+    _, port = store_address()
+    for family in (socket.AF_INET6, socket.AF_INET):  # torch's store listens on both where it can
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+            except OSError as e:
+                if e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                    continue  # no IPv6 here
+                raise ConfigError(
+                    f"MASTER_PORT {port} cannot be bound on this host ({e.strerror}); another program holds it: "
+                    "pick a free port and set MASTER_PORT to it on every host"
+                ) from None
 
 
 class PeerWatch:
-    """Heartbeats between this host's launcher and the others'; `lost` names the host that went away."""
+    """Heartbeats of this host's launcher in the job's store, and the watch on the others'; `lost` says why."""
 
-    def __init__(self, node_rank: int, nnodes: int, master_addr: str, port: int):
-        self.node_rank, self.nnodes, self.addr, self.port = node_rank, nnodes, master_addr, port
+    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int):
+        self.node_rank, self.nnodes, self.addr, self.port = node_rank, nnodes, addr, port
         self.lost: str | None = None
-        self._conns: dict[int, socket.socket] = {}
         self._closing = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # a loss and the end of the run never cross
+        self._store = None
 
     def __enter__(self) -> PeerWatch:
-        target = self._serve if self.node_rank == 0 else self._join
-        threading.Thread(target=target, daemon=True, name="peer-watch").start()
-        threading.Thread(target=self._beat, daemon=True, name="peer-heartbeat").start()
+        threading.Thread(target=self._watch, daemon=True, name="peer-watch").start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._closing.set()
         with self._lock:
-            for conn in self._conns.values():
-                _send(conn, b"bye\n")
-                conn.close()
-            self._conns.clear()
+            self._closing.set()
+        store = self._store
+        if store is not None:
+            try:  # our silence from now on is an end, not a loss
+                store.set(_key(self.node_rank, "bye"), "1")
+            except Exception:  # noqa: BLE001 - the store's host may be gone already; nobody is left to tell
+                pass
 
     def settle(self, seconds: float = 2.0) -> str | None:
         """After workers failed: wait briefly for a loss that caused it to show, and say it."""
@@ -60,91 +90,80 @@ class PeerWatch:
             time.sleep(0.05)
         return self.lost
 
-    # -- connections
-    def _serve(self) -> None:
-        server = socket.create_server(("", self.port), reuse_port=False)
-        server.settimeout(0.5)
-        while not self._closing.is_set() and len(self._conns) < self.nnodes - 1:
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            rank = int(_readline(conn, CONNECT_FOR_S) or b"-1")
-            self._add(rank, conn)
-        server.close()
+    def _connect(self):
+        """A client of the job's store, once the first host's agent serves it (polled with plain connects, so
+        that torch does not print a warning for each try)."""
+        from torch.distributed import TCPStore
 
-    def _join(self) -> None:
         deadline = time.monotonic() + CONNECT_FOR_S
         while not self._closing.is_set():
             try:
-                conn = socket.create_connection((self.addr, self.port), timeout=2.0)
-                break
-            except OSError:
+                socket.create_connection((self.addr, self.port), timeout=2.0).close()
+                store = TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False)
+                store.set_timeout(timedelta(seconds=OP_TIMEOUT_S))
+                return store
+            except Exception:  # noqa: BLE001 - not up yet (or torch's store refused us): try again
                 if time.monotonic() > deadline:
-                    self._lose(f"the first host ({self.addr}:{self.port}) never answered")
-                    return
+                    self._lose(f"the first host's store ({self.addr}:{self.port}) never answered")
+                    return None
                 time.sleep(0.5)
-        else:
+        return None
+
+    def _watch(self) -> None:
+        self._store = store = self._connect()
+        if store is None:
             return
-        _send(conn, f"{self.node_rank}\n".encode())
-        self._add(0, conn)
-
-    def _add(self, rank: int, conn: socket.socket) -> None:
-        conn.settimeout(LOST_AFTER_S)
-        with self._lock:
-            self._conns[rank] = conn
-        threading.Thread(target=self._listen, args=(rank, conn), daemon=True).start()
-
-    def _listen(self, rank: int, conn: socket.socket) -> None:
-        while not self._closing.is_set():
-            line = _readline(conn, LOST_AFTER_S)
-            if line == b"bye":
-                with self._lock:
-                    self._conns.pop(rank, None)
-                return
-            if line is None and not self._closing.is_set():
-                self._lose(f"host {rank} (node rank {rank}) stopped answering")
-                return
-
-    def _beat(self) -> None:
+        others = [n for n in range(self.nnodes) if n != self.node_rank]
+        seen: dict[int, tuple[int, float]] = {}  # node -> (its counter, when that value was first seen)
+        unreachable_since = None
         while not self._closing.wait(HEARTBEAT_S):
-            with self._lock:
-                for conn in list(self._conns.values()):
-                    _send(conn, b".\n")
+            now = time.monotonic()
+            try:
+                store.add(_key(self.node_rank, "beat"), 1)
+                for n in others:
+                    if store.check([_key(n, "bye")]):
+                        seen.pop(n, None)
+                        continue
+                    value = store.add(_key(n, "beat"), 0)  # reads without waiting; 0 until that host starts
+                    if value and seen.get(n, (None,))[0] != value:
+                        seen[n] = (value, now)
+                unreachable_since = None
+            except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError, DistStoreError, RuntimeError
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > LOST_AFTER_S:
+                    self._lose(f"the first host ({self.addr}:{self.port}) stopped answering ({type(e).__name__})")
+                    return
+                continue
+            for n, (_, since) in seen.items():
+                if now - since > LOST_AFTER_S:
+                    self._lose(f"host {n} (node rank {n}) stopped answering")
+                    return
 
     def _lose(self, why: str) -> None:
-        if self.lost is not None or self._closing.is_set():
-            return
-        self.lost = why
+        with self._lock:
+            if self.lost is not None or self._closing.is_set():
+                return
+            self.lost = why
         logger.error("%s: stopping this host's workers; done shards are kept", why)
-        with self._lock:  # the first host tells the others by closing their connections
-            for conn in self._conns.values():
-                conn.close()
-            self._conns.clear()
         os.kill(os.getpid(), signal.SIGTERM)  # the elastic agent stops its workers as for any SIGTERM
+        self._release_exit_barrier()
 
-
-def _send(conn: socket.socket, data: bytes) -> None:
-    try:
-        conn.sendall(data)
-    except OSError:
-        pass  # the listener sees the closed connection
-
-
-def _readline(conn: socket.socket, timeout: float) -> bytes | None:
-    """One line without its newline, skipping heartbeats; None when the connection closed or went silent."""
-    buf = b""
-    while True:
+    def _release_exit_barrier(self) -> None:
+        """A host whose workers are all done waits in the agent's exit barrier for the others, inside one C++
+        store call that the SIGTERM cannot interrupt (up to 300 s). The lost host never checks in, so check in
+        for it: the barrier returns, and the pending SIGTERM stops the agent at once. The barrier's keys are
+        torch's (torch/distributed/elastic), under torchrun's default rendezvous id; tests/test_hosts.py fails
+        if they move."""
         try:
-            conn.settimeout(timeout)
-            ch = conn.recv(1)
-        except (TimeoutError, OSError):
-            return None
-        if not ch:
-            return None
-        if ch == b"\n":
-            if buf == b".":
-                buf = b""
-                continue
-            return buf
-        buf += ch
+            from torch.distributed import PrefixStore
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
+
+            if self._store is not None:
+                PrefixStore(RDZV_ID, self._store).set(_TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN, "lost")
+        except Exception as e:  # noqa: BLE001 - the agent then waits out its barrier: slower, still exit 3
+            logger.warning("could not release the agents' exit barrier: %s", e)
+
+
+def _key(node: int, what: str) -> str:
+    return f"meshgen/peer/{node}/{what}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 
-from launcher.errors import out_of_space
+from launcher.errors import refused_write, unwritable
 from launcher.ledger.store import Store
 
 logger = logging.getLogger(__name__)
@@ -48,24 +48,45 @@ def warn_if_short(cfg, store: Store, images: int) -> None:
 
 
 def stopped_by_space(cfg, store: Store, states: dict[int, dict], run_id: str, launcher_failed: bool) -> str | None:
-    """The last line of a run that ran out of room, or None. A worker that could not even write a claim or a
-    state leaves no word of it, so less room than one shard needs counts too."""
+    """The last line of a run that the output stopped (out of room, or read-only), or None. A worker that could
+    not even write a claim or a state leaves no word of it, so a probe write and less room than one shard needs
+    count too."""
+    refused = probe_write(store)
+    if refused is not None and refused_write(refused):
+        why = str(refused).splitlines()[0][:200]
+        return f"error: {store} refuses writes ({why}); make it writable again and run the same command to finish"
     said = any(st.get("out_of_space") for st in states.values() if st.get("run_id") == run_id)
     free = free_bytes(store)
-    if not (said or launcher_failed or (free is not None and free < estimate_bytes(cfg, cfg.run.shard_size))):
+    short = free is not None and free < estimate_bytes(cfg, cfg.run.shard_size)
+    if not (said or launcher_failed or refused or short):
         return None
     room = f"{_size(free)} free" if free is not None else "the store refused writes: a quota?"
     return f"error: {store} is out of space ({room}); free some space and run the same command again to finish"
 
 
+def probe_write(store: Store) -> OSError | None:
+    """Whether the output takes a write now: the error of a small probe write, or None."""
+    import os
+    import socket
+
+    rel = f"state/.probe-{socket.gethostname()}-{os.getpid()}"  # where the shards' states must go
+    try:
+        store.write_bytes(rel, b"")
+        store.delete(rel)
+    except OSError as e:
+        return e
+    return None
+
+
 def best_effort(what: str, fn, *args) -> bool:
-    """Run fn(*args), a write of the launcher's own bookkeeping; True if it failed for want of room."""
+    """Run fn(*args), a write of the launcher's own bookkeeping; True if the output refused it (no room, or no
+    permission): the run then says so in its last line instead of crashing."""
     try:
         fn(*args)
     except OSError as e:
-        if not out_of_space(e):
+        if not unwritable(e):
             raise
-        logger.warning("could not write %s: out of space", what)
+        logger.warning("could not write %s: %s", what, str(e).splitlines()[0][:200])
         return True
     return False
 

@@ -9,43 +9,49 @@ more than the newest claim there:
 - the newest claim's run still holds its worker lock (launcher/ledger/lock.py): the shard is taken, skip it;
 - its run is dead (killed, preempted): create the next generation; of two workers taking over at once only one
   creation succeeds, so no claim is ever deleted to be replaced.
-Having won a claim, the worker reads the shard's state again: finished since this run started means another
-worker got there first. After writing the shard's state, its owner deletes its claim and the dead generations
-below it. A worker's run is alive while it holds its lock: see launcher/ledger/lock.py.
+Having won a claim, the worker reads the shard's state again: a done state other than the one this run's plan
+read (another attempt's, told apart by `state_token`, never by comparing clocks) means another worker finished
+it since the ledger was read, even while this run was still planning: skip it. Before writing a shard's files
+and again before its state, the writer checks that its claim is still the newest (`still_held`): a worker whose
+claim was taken over (it looked dead) leaves the shard to the new holder and deletes nothing. After writing the
+shard's state, its owner deletes its claim and the dead generations below it. A worker's run is alive while it
+holds its lock: see launcher/ledger/lock.py.
 """
 
 from __future__ import annotations
 
 import json
 import socket
-import time
 
-from launcher.errors import out_of_space
+from launcher.errors import unwritable
 from launcher.ledger.lock import run_alive
-from launcher.ledger.states import CLAIMS_DIR, read_state
+from launcher.ledger.states import CLAIMS_DIR, read_state, state_token
 from launcher.ledger.store import Store
 
 
 class Claims:
-    def __init__(self, store: Store, worker_index: int, run_id: str, started: float):
-        self.store, self.worker, self.run_id, self.started = store, worker_index, run_id, started
+    def __init__(self, store: Store, worker_index: int, run_id: str):
+        self.store, self.worker, self.run_id = store, worker_index, run_id
         self.held: dict[int, int] = {}  # shard -> the generation of our claim on it
         self.skipped: set[int] = set()  # shards another live run held when we tried them
-        self.out_of_space = False  # a claim could not be written: the output is full
+        self.out_of_space = False  # a claim could not be written: the output is full or read-only
+        self.write_error: OSError | None = None
 
-    def try_claim(self, shard_index: int) -> bool:
+    def try_claim(self, shard_index: int, seen: str | None = None) -> bool:
+        """Claim a shard to generate; `seen`: the state_token of the state this run's plan read for it."""
         gens = _generations(self.store, shard_index)
         if gens and _live(self.store, _newest(self.store, shard_index, gens)):
             self.skipped.add(shard_index)
             return False
-        record = {"worker": self.worker, "run_id": self.run_id, "host": socket.gethostname(), "time": time.time()}
+        record = {"worker": self.worker, "run_id": self.run_id, "host": socket.gethostname()}
         nxt = gens[-1] + 1 if gens else 0
         try:
             created = self.store.create_exclusive(f"{_dir(shard_index)}/g{nxt:05d}.json", json.dumps(record).encode())
         except OSError as e:
-            if not out_of_space(e):
+            if not unwritable(e):
                 raise
             self.out_of_space = True  # nothing more can be written here; the launcher says so
+            self.write_error = e
             return False
         if not created:
             self.skipped.add(shard_index)
@@ -53,19 +59,37 @@ class Claims:
         self.held[shard_index] = nxt
         self.skipped.discard(shard_index)
         state = read_state(self.store, shard_index)
-        if state and state.get("finished_at", 0) >= self.started:
+        if state and state.get("status") == "done" and state_token(state) != seen:
             self.release(shard_index)
             return False
         return True
+
+    def attempt(self, shard_index: int) -> str:
+        """This run's attempt at a shard it holds: what its state records (see state_token)."""
+        return f"{self.run_id}/g{self.held[shard_index]:05d}"
+
+    def still_held(self, shard_index: int) -> bool:
+        """Whether our claim on the shard is still its newest: nobody took it over since (one listing)."""
+        gens = _generations(self.store, shard_index)
+        return shard_index in self.held and bool(gens) and gens[-1] == self.held[shard_index]
+
+    def drop(self, shard_index: int) -> None:
+        """Forget a claim that another run took over, deleting nothing: the files are the new holder's now."""
+        self.held.pop(shard_index, None)
 
     def release(self, shard_index: int) -> None:
         """Give up our claim (after the shard's state is written), and the dead generations below it."""
         gen = self.held.pop(shard_index, None)
         if gen is None:
             return
-        for g in _generations(self.store, shard_index):
-            if g <= gen:
-                self.store.delete(f"{_dir(shard_index)}/g{g:05d}.json")
+        try:
+            for g in _generations(self.store, shard_index):
+                if g <= gen:
+                    self.store.delete(f"{_dir(shard_index)}/g{g:05d}.json")
+        except OSError as e:  # a dead run's claim is harmless: the next claimer creates the next generation
+            if not unwritable(e):
+                raise
+            return
         if self.store.is_local:
             try:
                 self.store.local(_dir(shard_index)).rmdir()  # only if empty

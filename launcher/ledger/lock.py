@@ -4,9 +4,11 @@ The lock's record names its holder: host, pid, run id, start time and a heartbea
 - On disk the record lives in a file the launcher holds with flock: the kernel drops the lock the moment its
   holder dies, however it dies (kill -9 included), so a stale lock cannot block a later run; whether a run is
   alive is asked of the kernel too (can the lock be taken?), never guessed from a pid.
-- On an object store there is no flock: the lock is an object created with a conditional PUT; a holder whose
-  heartbeat is older than STALE_S is presumed dead and its lock is taken over (write, wait, read back: of two
-  launchers taking over at once, the one whose record is read back wins, the other exits 4).
+- On an object store there is no flock: the lock is an object created with a conditional PUT, rewritten by its
+  holder every HEARTBEAT_S; a lock that the store says was last written more than STALE_S ago, by the store's own
+  clock (LastModified against the store's now, see Store.now), is presumed dead and taken over (write, wait, read
+  back: of two launchers taking over at once, the one whose record is read back wins, the other exits 4). No
+  host's clock is compared with another's: a host running 90 s behind keeps its lock.
 A refused launch exits 4 and names the holder.
 """
 
@@ -21,7 +23,7 @@ import socket
 import threading
 import time
 
-from launcher.errors import LockHeld
+from launcher.errors import LockHeld, OutputRefused, unwritable
 from launcher.ledger.store import Store
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,8 @@ def run_alive(store: Store, worker_index: int, run_id: str) -> bool:
 def _holder_alive(store: Store, worker_index: int, rec: dict) -> bool:
     if store.is_local:  # the kernel knows: the flock is held exactly while its holder lives
         return _flock_held(store.local(lock_rel(worker_index, store)))
-    return time.time() - rec.get("heartbeat", 0) < STALE_S
+    written = store.mtime(lock_rel(worker_index, store))
+    return written is not None and store.now() - written < STALE_S
 
 
 def _flock_held(path) -> bool:
@@ -113,6 +116,18 @@ class RunLock:
         return json.dumps({**self.record, "heartbeat": time.time()}).encode()
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except OSError as e:
+            if not unwritable(e):
+                raise
+            why = str(e).splitlines()[0][:200]
+            raise OutputRefused(
+                f"{self.store} refuses writes ({why}): its lock cannot be taken; make it writable again and run "
+                "the same command to finish"
+            ) from None
+
+    def _acquire(self) -> None:
         if self.store.is_local:
             path = self.store.local(self.rel)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,21 +173,24 @@ class RunLock:
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
                 self._write()
-            except Exception:  # a transient store error: try again at the next beat
-                logger.warning("could not refresh the lock %s", self.rel, exc_info=True)
+            except Exception as e:  # a transient store error: try again at the next beat
+                logger.warning("could not refresh the lock %s: %s", self.rel, str(e).splitlines()[0][:200])
 
     def release(self) -> None:
         self._stop.set()
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError as e:  # a folder remounted read-only: the flock still goes with the descriptor
+                logger.warning("could not clear the lock %s: %s", self.rel, e)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
         elif (read_lock(self.store, self.index) or {}).get("run_id") == self.record["run_id"]:
             try:
                 self.store.delete(self.rel)
-            except OSError:  # its heartbeat stops: the next run takes the lock over once it is stale
-                logger.warning("could not remove the lock %s", self.rel, exc_info=True)
+            except OSError as e:  # its heartbeat stops: the next run takes the lock over once it is stale
+                logger.warning("could not remove the lock %s: %s", self.rel, str(e).splitlines()[0][:200])
 
     def __enter__(self):
         self.acquire()

@@ -19,7 +19,7 @@ import pyarrow as pa
 from launcher.errors import ConfigError
 from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
-from launcher.ledger.states import select_shards
+from launcher.ledger.states import select_shards, state_token
 from launcher.ledger.store import Store
 
 PLANS_DIR = "plans"
@@ -31,6 +31,7 @@ class ShardPlan:
     rows: int
     fingerprint: str
     status: str  # done | failed | pending | stale | grown
+    seen: str | None = None  # which attempt's state this plan read (state_token): see Claims.try_claim
 
 
 @dataclass
@@ -110,7 +111,8 @@ def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Pl
     shards = []
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
         fp = prompts_fingerprint(t)
-        shards.append(ShardPlan(i, t.num_rows, fp, shard_status(states.get(i), t, whole, fp)))
+        st = states.get(i)
+        shards.append(ShardPlan(i, t.num_rows, fp, shard_status(st, t, whole, fp), state_token(st)))
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
@@ -126,7 +128,7 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
     from launcher.ledger.prompts import SCHEMA
 
     wanted = set(plan.selected)
-    meta = {"shards": [[i, plan.shards[i].fingerprint] for i in sorted(wanted)]}
+    meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in sorted(wanted)]}
     schema = SCHEMA.with_metadata({"meshgen_plan": json.dumps(meta)})
     last = max(wanted)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
@@ -148,10 +150,14 @@ class PlanFile:
     def __init__(self, store: Store, rel: str):
         self._reader = pa.ipc.open_file(store.fs.open_input_file(store.path(rel)))
         meta = json.loads(self._reader.schema.metadata[b"meshgen_plan"])
-        self._where = {i: (k, fp) for k, (i, fp) in enumerate(meta["shards"])}
+        self._where = {i: (k, fp, seen) for k, (i, fp, seen) in enumerate(meta["shards"])}
         self.selected = sorted(self._where)
 
+    def seen(self, index: int) -> str | None:
+        """The attempt whose state the plan read for this shard (None: it had none)."""
+        return self._where[index][2]
+
     def shard(self, index: int) -> Shard:
-        k, fp = self._where[index]
+        k, fp, _ = self._where[index]
         rows = self._reader.get_batch(k).to_pylist()
         return Shard(index, tuple({c: v for c, v in r.items() if v is not None} for r in rows), fp)

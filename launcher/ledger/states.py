@@ -19,7 +19,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher.errors import ConfigError
-from launcher.ledger.store import TMP_MARK, Store
+from launcher.ledger.store import HOST, TMP_MARK, Store
 
 logger = logging.getLogger(__name__)
 STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, CLAIMS_DIR = "state", "data", "images", "webdataset", "claims"
@@ -29,6 +29,15 @@ READERS = 32  # parallel reads of changed state files (object stores answer each
 
 def state_rel(shard_index: int) -> str:
     return f"{STATE_DIR}/shard-{shard_index:05d}.json"
+
+
+def state_token(state: dict | None) -> str | None:
+    """What tells one written state from another without comparing clocks: the attempt (run id and claim
+    generation) that wrote it; states written before attempts were recorded are told apart by their own
+    finish time, compared only for equality."""
+    if state is None:
+        return None
+    return state.get("attempt") or (repr(state["finished_at"]) if "finished_at" in state else state.get("run_id"))
 
 
 def read_state(store: Store, shard_index: int) -> dict | None:
@@ -115,18 +124,30 @@ def select_shards(status: dict[int, str], spec, stale: str = "error") -> list[in
 def clean_tmp(store: Store, shard_index: int | None = None) -> None:
     """Remove what killed attempts left behind: temporary files and uncommitted image folders of dead processes.
 
-    A temporary name ends in the writer's pid, so a live writer's files (another worker on this host) are kept.
-    Only on disk: an object store never holds a partial object.
+    A temporary name carries its writer's host and pid (store.tmp_name). This host's leftovers go when their pid
+    is dead; another host's (a folder shared over NFS) only when the store's clock says they have not changed
+    for the lock's STALE_S, since that host's pids mean nothing here. Only on disk: an object store never holds
+    a partial object.
     """
     import shutil
 
-    from launcher.ledger.lock import pid_alive
+    from launcher.ledger.lock import STALE_S, pid_alive
 
     if not store.is_local:
         return
     name = "shard-" if shard_index is None else f"shard-{shard_index:05d}"
     for folder in (DATA_DIR, STATE_DIR, IMAGES_DIR, WDS_DIR):
         for p in store.local(folder).glob(f".{name}*{TMP_MARK}*"):
-            pid = p.name.rsplit(TMP_MARK, 1)[1]
-            if not (pid.isdigit() and pid_alive(int(pid))):
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            host, _, pid = p.name.rsplit(TMP_MARK, 1)[1].rpartition("-")
+            if host in (HOST, "") and pid.isdigit():  # "": a name from before hosts were in it
+                dead = not pid_alive(int(pid))
+            else:  # another node's, or an unreadable name
+                try:
+                    dead = store.now() - p.stat().st_mtime > STALE_S
+                except FileNotFoundError:
+                    continue  # its writer just committed or removed it
+            if dead:
+                try:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                except OSError:  # a read-only folder: the leftover stays hidden, and the shard's writes will say
+                    pass

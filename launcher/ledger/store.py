@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,16 @@ import pyarrow.parquet as pq
 TMP_MARK = ".tmp-"
 RETRIES = 4  # attempts of one object-store call
 RETRY_DELAY_S = 0.5  # before the second attempt; doubled before each next one
+
+HOST = socket.gethostname().replace("/", "_")
+
+
+def tmp_name(name: str) -> str:
+    """The hidden temporary name of `name` while this process writes it: its host and pid, so that on a folder
+    that several nodes share (NFS under SLURM) a starting worker can tell another node's live write from a dead
+    process's leftover of its own (launcher/ledger/states.py's clean_tmp)."""
+    return f".{name}{TMP_MARK}{HOST}-{os.getpid()}"
+
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +53,7 @@ class Store:
             self.fs, self.root = pafs.FileSystem.from_uri(uri.rstrip("/"))
         self.uri = self.root if self.is_local else uri.rstrip("/")
         self.scheme = "file" if self.is_local else uri.split("://", 1)[0]
+        self._clock_offset: float | None = None
 
     def __str__(self) -> str:
         return self.uri
@@ -84,6 +96,25 @@ class Store:
         data = self.read_bytes(rel)
         return None if data is None else json.loads(data)
 
+    def mtime(self, rel: str) -> float | None:
+        """When `rel` was last written, by the store's own clock (its mtime; LastModified on an object store)."""
+        info = self._call(self.fs.get_file_info, self.path(rel))
+        return None if info.type == pafs.FileType.NotFound else info.mtime.timestamp()
+
+    def now(self) -> float:
+        """The store's clock, as `mtime` reads it: this host's clock plus the offset measured once by writing a
+        probe file and reading its time back. Liveness is judged on the store's clock alone, so hosts whose own
+        clocks disagree (an NTP-less VM, a drifting node) still agree on what is stale."""
+        if self._clock_offset is None:
+            rel = f"locks/.clock-{HOST}-{os.getpid()}"
+            t0 = time.time()
+            self.write_bytes(rel, b"")
+            written = self.mtime(rel)
+            t1 = time.time()
+            self.delete(rel)
+            self._clock_offset = (written - (t0 + t1) / 2) if written is not None else 0.0
+        return time.time() + self._clock_offset
+
     def exists(self, rel: str) -> bool:
         return self._call(self.fs.get_file_info, self.path(rel)).type != pafs.FileType.NotFound
 
@@ -113,7 +144,7 @@ class Store:
         """`data` in a hidden temporary file beside `rel`, on disk for good; (final path, temporary path)."""
         path = self.local(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+        tmp = path.with_name(tmp_name(path.name))
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -137,7 +168,7 @@ class Store:
         if self.is_local:
             path = self.local(rel)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+            tmp = path.with_name(tmp_name(path.name))
         else:
             tmp = Path(tempfile.mkdtemp(prefix="meshgen-")) / "upload"
         try:
@@ -159,16 +190,20 @@ class Store:
         self.write_bytes(rel, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
     def put_folder(self, rel: str, files: dict[str, bytes]) -> None:
-        """Replace the folder `rel` with `files`: on disk all at once (a renamed temporary folder)."""
+        """Replace the folder `rel` with `files`: on disk all at once (a renamed temporary folder). On an object
+        store each file is overwritten in place and only then are the files not in `files` removed, so no moment
+        leaves a name missing that a done state (another writer's, however it came to be) describes."""
         if not self.is_local:
-            self.delete_dir(rel)
             for name, data in files.items():
                 self.write_bytes(f"{rel}/{name}", data)
+            for info in self.files(rel):
+                if info.base_name not in files:
+                    self.delete(f"{rel}/{info.base_name}")
             return
         import shutil
 
         final = self.local(rel)
-        tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}")
+        tmp = final.with_name(tmp_name(final.name))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import OmegaConf
 
-from launcher.errors import die_with_parent, out_of_space
+from launcher.errors import die_with_parent, unwritable
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
 from launcher.logs import SHARD_EVENTS
@@ -55,8 +55,18 @@ def default_encode_workers(writers_on_host: int) -> int:
 
 
 class BackgroundWriter:
-    def __init__(self, store: Store, output_cfg, encode_workers: int, on_recorded: Callable[[int], None]):
-        self.store, self.on_recorded = store, on_recorded
+    def __init__(
+        self,
+        store: Store,
+        output_cfg,
+        encode_workers: int,
+        on_recorded: Callable[[int], None],
+        still_held: Callable[[int], bool] = lambda i: True,
+        on_lost: Callable[[int], None] = lambda i: None,
+    ):
+        """on_recorded(shard): its state is written; still_held(shard): our claim on it is still the newest;
+        on_lost(shard): it was taken over, and this writer left it alone."""
+        self.store, self.on_recorded, self.still_held, self.on_lost = store, on_recorded, still_held, on_lost
         self.failed: list[int] = []
         self.out_of_space = False  # a write found the output full: generating more would only fail too
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
@@ -103,18 +113,20 @@ class BackgroundWriter:
             logger.exception("the shard writer failed")
 
     def _record(self, job: ShardJob) -> None:
-        # A shard being regenerated stops being done before its files change: a crash in between leaves it
-        # pending, never "done" with a mix of old and new files.
-        self.store.delete(ledger.state_rel(job.index))
+        if not self.still_held(job.index):  # taken over (we looked dead): its files are the new holder's
+            return self._lost(job)
         try:
+            # A shard being regenerated stops being done before its files change: a crash in between leaves it
+            # pending, never "done" with a mix of old and new files.
+            self.store.delete(ledger.state_rel(job.index))
             self._write(job)
         except Exception as e:  # a write error fails that shard, never silently
             job.state.update(
                 status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
             )
-            if out_of_space(e):
+            if unwritable(e):
                 self.out_of_space = job.state["out_of_space"] = True
-                logger.error("shard %d: %s is out of space; this worker stops generating", job.index, self.store)
+                logger.error("shard %d: %s takes no more writes (%s); this worker stops", job.index, self.store, e)
             if isinstance(e, BrokenProcessPool):  # the writer process or an encoder died (out of memory?)
                 self._process = self._new_process()
         if job.state["status"] != "done":
@@ -124,17 +136,27 @@ class BackgroundWriter:
             except OSError as e:  # said in its state; the shard is failed either way
                 job.state["error"] += f"; its files could not be removed: {type(e).__name__}: {e}"
         job.queued.wait()
+        if not self.still_held(job.index):  # taken over while we wrote: its state is the new holder's to write
+            return self._lost(job)
         job.state["finished_at"] = time.time()
         try:
             self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
         except OSError as e:
-            if not out_of_space(e):
+            if not unwritable(e):
                 raise
             # Not even the state fits: the shard stays pending (never wrongly done), and the launcher says why.
             self.out_of_space = True
-            logger.error("shard %d: %s is out of space; its state could not be written either", job.index, self.store)
+            logger.error("shard %d: %s takes no more writes; its state could not be written either", job.index, e)
+            return
         self.on_recorded(job.index)
         _log_event(job)
+
+    def _lost(self, job: ShardJob) -> None:
+        logger.warning(
+            "shard %d: another run took its claim over (this run looked dead to it); leaving the shard to it",
+            job.index,
+        )
+        self.on_lost(job.index)
 
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":

@@ -51,6 +51,7 @@ class Worker:
     store: Store | None = None
     run_id: str = ""
     plan: PlanFile | None = None  # on each dp group's first rank
+    claims: Claims | None = None  # on each dp group's first rank (the one that writes)
     shard: Shard | None = None  # the one being generated, with its rows
     rescanned: bool = False
     compile_stats: CompileStats = field(default_factory=CompileStats)
@@ -62,14 +63,13 @@ def run_worker(cfg) -> int:
     device = init_distributed(device_type, cfg.run.timeout_s)
     mesh = ParallelDims(cfg.mesh.dp, cfg.mesh.tp, dist.get_world_size()).build_mesh(device_type)
     groups = build_groups(mesh)
-    # Rank 0 is on the host whose launcher holds the lock and wrote the plan: its run id and start time are the
-    # whole job's, and name the plan file every host reads.
+    # Rank 0 is on the host whose launcher holds the lock and wrote the plan: its run id is the whole job's, and
+    # names the plan file every host reads.
     box = [None]
     if dist.get_rank() == 0:
-        run_id = os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"
-        box = [(run_id, float(os.environ.get("MESHGEN_RUN_START", time.time())))]
+        box = [os.environ.get("MESHGEN_RUN_ID") or f"{socket.gethostname()}-{os.getppid()}"]
     dist.broadcast_object_list(box, src=0, group=groups.world_control)
-    run_id, run_start = box[0]
+    run_id = box[0]
     store = Store(cfg.output.dir)
     # Only the first rank of each dp group claims shards and reads their rows; it tells its tp peers.
     plan = PlanFile(store, plan_rel(run_id)) if groups.is_writer else None
@@ -85,9 +85,9 @@ def run_worker(cfg) -> int:
             groups.dp_rank,
             selected[slot::slots],
         )
-    claims = Claims(store, index, run_id, run_start)
+    claims = Claims(store, index, run_id)
     # Claim a first shard before the (long) model load, so workers starting together split the work at once.
-    w = Worker(cfg, None, groups, None, None, store, run_id, plan=plan)
+    w = Worker(cfg, None, groups, None, None, store, run_id, plan=plan, claims=claims)
     first = _next_shard(w, claims, order)
     # Loading is collective across the whole world (transformers builds its mesh over every rank), so the
     # ranks skip it only all together, when no dp group got a shard.
@@ -100,7 +100,7 @@ def run_worker(cfg) -> int:
     if groups.is_writer:  # before the model load, so that its encoder processes start meanwhile
         writers_here = max(1, cfg.mesh.dp // cfg.mesh.nodes)
         n_enc = cfg.output.encode_workers or default_encode_workers(writers_here)
-        writer = BackgroundWriter(store, cfg.output, n_enc, on_recorded=claims.release)
+        writer = BackgroundWriter(store, cfg.output, n_enc, claims.release, claims.still_held, claims.drop)
     w.pipe = pipe = load_pipeline(cfg, device, mesh)
     w.timer, w.writer = StageTimer(pipe, device), writer
     apply_cache(pipe, cfg)
@@ -135,7 +135,7 @@ def _next_shard(w: Worker, claims: Claims, order: list[int]) -> int | None:
                 order.extend(sorted(claims.skipped))
                 claims.skipped.clear()
             i = order.pop(0)
-            if claims.try_claim(i):
+            if claims.try_claim(i, w.plan.seen(i)):
                 box[0] = w.plan.shard(i)
     if w.groups.tp_size > 1:
         dist.broadcast_object_list(box, group=w.groups.tp_control, group_src=0)
@@ -222,6 +222,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         **({"prompts": len(shard.rows)} if n > 1 else {}),
         "prompts_fingerprint": shard.fingerprint,
         "run_id": w.run_id,
+        "attempt": w.claims.attempt(shard.index),  # which claim wrote it: see launcher/ledger/claims.py
         "seconds": round(seconds, 4),
         "images_per_s": None if error else round(len(ids) / seconds, 3),
         "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
