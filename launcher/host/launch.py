@@ -104,7 +104,8 @@ def run_hosts(cfg, args: list[str], logs=None) -> int:
 
     node = int(os.environ.get("NODE_RANK", "0"))
     with PeerWatch(node, cfg.mesh.nodes, *store_address()) as watch:
-        code = run_elastic(args, logs)
+        with watch.agent():
+            code = run_elastic(args, logs)
         if watch.lost or (code != EXIT_OK and watch.settle()):
             logger.error("lost a host (%s); run the same command on every host to finish the job", watch.lost)
             return EXIT_SHARDS_FAILED

@@ -16,6 +16,7 @@ loss. On a loss this launcher stops its own workers, as a SIGTERM would, and exi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -67,9 +68,20 @@ class PeerWatch:
         self.lost: str | None = None
         self._closing = threading.Event()
         self._lock = threading.Lock()  # a loss and the end of the run never cross
-        self._store = None
+        self._store = self._server = None
+        self._others = [n for n in range(nnodes) if n != node_rank]
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> (its counter, when that value was first seen)
+        self._said_bye: set[int] = set()
+        self._agent_running = False
 
     def __enter__(self) -> PeerWatch:
+        if self.node_rank == 0:
+            # Serve the job's store from this watch first; the agent's own TCPStore (multi-tenant) then shares
+            # this server, which so outlives the agent: a failed worker group tears the agent's store down, and
+            # the watch must still tell a lost host from a local failure (settle).
+            from torch.distributed import TCPStore
+
+            self._server = TCPStore(self.addr, self.port, is_master=True, wait_for_workers=False, multi_tenant=True)
         threading.Thread(target=self._watch, daemon=True, name="peer-watch").start()
         return self
 
@@ -82,12 +94,17 @@ class PeerWatch:
                 store.set(_key(self.node_rank, "bye"), "1")
             except Exception:  # noqa: BLE001 - the store's host may be gone already; nobody is left to tell
                 pass
+        self._server = None  # the first host's store goes with this launcher; every agent has left its barrier
 
-    def settle(self, seconds: float = 2.0) -> str | None:
-        """After workers failed: wait briefly for a loss that caused it to show, and say it."""
-        deadline = time.monotonic() + seconds
+    def settle(self) -> str | None:
+        """After workers failed: whether a lost host caused it. Waits until every other host's heartbeat has
+        been seen to change since (alive: a failure of our own), or the loss shows (at most LOST_AFTER_S)."""
+        start = time.monotonic()
+        deadline = start + LOST_AFTER_S + 2 * HEARTBEAT_S
         while self.lost is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+            if all(n in self._said_bye or self._seen.get(n, (0, 0.0))[1] > start for n in self._others):
+                return None
+            time.sleep(0.1)
         return self.lost
 
     def _connect(self):
@@ -113,15 +130,14 @@ class PeerWatch:
         self._store = store = self._connect()
         if store is None:
             return
-        others = [n for n in range(self.nnodes) if n != self.node_rank]
-        seen: dict[int, tuple[int, float]] = {}  # node -> (its counter, when that value was first seen)
-        unreachable_since = None
+        seen, unreachable_since = self._seen, None
         while not self._closing.wait(HEARTBEAT_S):
             now = time.monotonic()
             try:
                 store.add(_key(self.node_rank, "beat"), 1)
-                for n in others:
-                    if store.check([_key(n, "bye")]):
+                for n in self._others:
+                    if n in self._said_bye or store.check([_key(n, "bye")]):
+                        self._said_bye.add(n)
                         seen.pop(n, None)
                         continue
                     value = store.add(_key(n, "beat"), 0)  # reads without waiting; 0 until that host starts
@@ -134,18 +150,32 @@ class PeerWatch:
                     self._lose(f"the first host ({self.addr}:{self.port}) stopped answering ({type(e).__name__})")
                     return
                 continue
-            for n, (_, since) in seen.items():
+            for n, (_, since) in list(seen.items()):
                 if now - since > LOST_AFTER_S:
                     self._lose(f"host {n} (node rank {n}) stopped answering")
                     return
+
+    @contextlib.contextmanager
+    def agent(self):
+        """Around the elastic agent's run: only then does a loss stop it with a SIGTERM (afterwards torch's
+        handler would raise in whatever the launcher does next)."""
+        with self._lock:
+            self._agent_running = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._agent_running = False
 
     def _lose(self, why: str) -> None:
         with self._lock:
             if self.lost is not None or self._closing.is_set():
                 return
             self.lost = why
-        logger.error("%s: stopping this host's workers; done shards are kept", why)
-        os.kill(os.getpid(), signal.SIGTERM)  # the elastic agent stops its workers as for any SIGTERM
+            logger.error("%s: stopping this host's workers; done shards are kept", why)
+            if not self._agent_running:
+                return
+            os.kill(os.getpid(), signal.SIGTERM)  # the elastic agent stops its workers as for any SIGTERM
         self._release_exit_barrier()
 
     def _release_exit_barrier(self) -> None:

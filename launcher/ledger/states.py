@@ -144,8 +144,8 @@ def clean_tmp(store: Store, shard_index: int | None = None) -> None:
             else:  # another node's, or an unreadable name
                 try:
                     dead = store.now() - p.stat().st_mtime > STALE_S
-                except FileNotFoundError:
-                    continue  # its writer just committed or removed it
+                except OSError:
+                    continue  # its writer just committed or removed it, or the folder takes no probe write
             if dead:
                 try:
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
