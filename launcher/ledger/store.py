@@ -46,6 +46,10 @@ class Store:
     def __str__(self) -> str:
         return self.uri
 
+    def url(self, rel: str = "") -> str:
+        """What to print for `rel`: the address with its scheme (`path` drops it on an object store)."""
+        return f"{self.uri}/{rel}" if rel else self.uri
+
     def path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
