@@ -34,7 +34,10 @@ logger = logging.getLogger(__name__)
 
 class Store:
     def __init__(self, uri: str | os.PathLike):
+        from launcher.ledger.addresses import check_address
+
         uri = str(uri)
+        check_address(uri)  # never s3://KEY:SECRET@...: the address is printed and recorded everywhere
         self.is_local = "://" not in uri
         if self.is_local:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).resolve())
