@@ -192,7 +192,12 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem of a local path or a gs:// / s3:// URL, and the path within it."""
     if "://" in path:
         check_address(path, "dataset.path")
-        return pafs.FileSystem.from_uri(path)
+        magic = [path.index(c) for c in "*?[" if c in path]
+        if not magic:
+            return pafs.FileSystem.from_uri(path)
+        head = path[: min(magic)].rpartition("/")[0]  # a URI parser refuses '[': give it the part before the glob
+        fs, root = pafs.FileSystem.from_uri(head)
+        return fs, root + path[len(head) :]
     return pafs.LocalFileSystem(), path
 
 
