@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from launcher.errors import ConfigError
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(write_card(args.output_dir))
-    except (FileNotFoundError, NotImplementedError) as e:
+    except (FileNotFoundError, NotImplementedError, ConfigError) as e:  # ConfigError: credentials in the address
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
