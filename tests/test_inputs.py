@@ -91,6 +91,35 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tm
     assert (state / "shard-1.json").exists()  # a stranger's file is left alone
 
 
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"not gzip",
+        gzip.compress(b"[]"),
+        gzip.compress(b'{"states": []}'),
+        gzip.compress(b'{"states": {"0": 5}}'),
+        gzip.compress(b'{"states": {"0": [[1, 2], []]}}'),
+        gzip.compress(b'{"states": {"x": [[1, 2], {}]}}'),
+        gzip.compress(b'{"states": {"0": [[1, 2], {"status": "done"}]}}'),
+        gzip.compress(b"{")[:-4],
+    ],
+)
+def test_a_damaged_index_is_one_warning_and_the_state_files_are_read(tmp_path, caplog, index):
+    from launcher.ledger.states import INDEX, Ledger, state_rel
+
+    store = Store(tmp_path)
+    for i in range(3):
+        store.write_json(state_rel(i), {"status": "done", "rows": 2})
+    store.write_bytes(INDEX, index)
+    ledger = Ledger(store)
+    assert sorted(ledger.refresh()) == [0, 1, 2] and ledger.reads == 3
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path}/state/index.json.gz is damaged"), said
+    ledger.save_index()  # and a sound index replaces it
+    again = Ledger(store)
+    assert sorted(again.refresh()) == [0, 1, 2] and again.reads == 0
+
+
 # -- 7. bounds at planning
 
 

@@ -33,20 +33,21 @@ def state_rel(shard_index: int) -> str:
 
 
 STATE_NAME = re.compile(r"shard-(\d{5,})\.json")  # what state_rel writes; any other name in state/ is not ours
-# The fields readers of a state use, with their types: a file with any of them of another type is damaged.
-_NUMBER = (int, float)
+# The fields readers of a state use, with the types they may have: a file with any of them of another type is
+# damaged. Exact types: a bool is no count.
+_INT, _NUM, _STR = {int, type(None)}, {int, float, type(None)}, {str, type(None)}
 _FIELDS = {
-    "rows": int,
-    "prompts": int,
-    "seconds": _NUMBER,
-    "finished_at": _NUMBER,
-    "truncated": int,
-    "data_bytes": int,
-    "images_per_s": _NUMBER,
-    "prompts_fingerprint": str,
-    "run_id": str,
-    "error": str,
-    "stages": dict,
+    "rows": _INT,
+    "prompts": _INT,
+    "seconds": _NUM,
+    "finished_at": _NUM,
+    "truncated": _INT,
+    "data_bytes": _INT,
+    "images_per_s": _NUM,
+    "prompts_fingerprint": _STR,
+    "run_id": _STR,
+    "error": _STR,
+    "stages": {dict, type(None)},
 }
 
 
@@ -65,19 +66,21 @@ def parse_state(data: bytes) -> tuple[dict | None, str | None]:
 
 
 def state_problem(state) -> str | None:
-    """What makes `state` (as decoded) not a state, or None."""
-    if not isinstance(state, dict):
+    """What makes `state` (as decoded) not a state, or None. About 3 us: a fifth of decoding the entry."""
+    if type(state) is not dict:
         return f"a JSON {type(state).__name__}, not an object"
-    if state.get("status") not in ("done", "failed"):
-        return f"status {state.get('status')!r} is neither 'done' nor 'failed'"
-    if state["status"] == "done" and "rows" not in state:
+    status = state.get("status")
+    if status != "done" and status != "failed":
+        return f"status {status!r} is neither 'done' nor 'failed'"
+    if status == "done" and "rows" not in state:
         return "a done state without its rows"
-    for key, kind in _FIELDS.items():
-        value = state.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            return f"{key!r} is {str(value)[:40]!r}"
-    if not all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in state.get("stages", {}).values()):
-        return "'stages' holds a value that is not a number"
+    get = state.get
+    for key, kinds in _FIELDS.items():
+        if type(get(key)) not in kinds:
+            return f"{key!r} is {str(get(key))[:40]!r}"
+    for v in (get("stages") or {}).values():
+        if type(v) is not float and type(v) is not int:
+            return "'stages' holds a value that is not a number"
     return None
 
 
