@@ -297,6 +297,16 @@ def test_addresses_with_credentials_are_refused_and_never_shown(tiny_model, s3, 
     assert not (tmp_path / "o").exists()
     res = status(f"s3://AKIAKEY:{secret}@meshgen-test/cred")
     assert res.returncode == 2 and secret not in res.stdout + res.stderr and "s3://***@" in res.stderr
+    # Whatever else logs an address (an endpoint from the environment, a library), the log line is masked.
+    code = "import logging, sys; from launcher.logs import setup_logging; setup_logging(0); "
+    code += "logging.getLogger('x').warning('fetching from %s', sys.argv[1])"
+    res = subprocess.run(
+        [sys.executable, "-c", code, f"https://user:{secret}@hub.example/m"],
+        capture_output=True,
+        text=True,
+        env=TOOL_ENV,
+    )
+    assert "fetching from https://***@hub.example/m" in res.stderr and secret not in res.stderr, res.stderr
 
 
 # -- 11. printed paths keep their scheme

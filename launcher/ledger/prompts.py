@@ -211,6 +211,8 @@ def source_files(path: str) -> list[str]:
 
 def unreadable(f: str, e: Exception) -> str:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if "://" not in f:
+        return f"dataset.path {f} cannot be read ({first}); check that it exists and that you may read it"
     return (
         f"dataset.path {f} cannot be read ({first}); check the address, the network and the credentials "
         "(the AWS_* variables for s3://, gcloud application default credentials for gs://)"
