@@ -62,7 +62,7 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tm
         0: b"",  # empty
         1: whole[: len(whole) // 2],  # half-written
         2: b"[]",  # not an object
-        3: b'{"status": "done"}',  # the wrong shape: done without its rows
+        3: b'{"status": "finished", "rows": 2}',  # the wrong shape: neither done nor failed
         4: b'{"status": "done", "rows": "two"}',  # a field of the wrong type
     }
     for i, data in damage.items():
@@ -100,7 +100,7 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tm
         gzip.compress(b'{"states": {"0": 5}}'),
         gzip.compress(b'{"states": {"0": [[1, 2], []]}}'),
         gzip.compress(b'{"states": {"x": [[1, 2], {}]}}'),
-        gzip.compress(b'{"states": {"0": [[1, 2], {"status": "done"}]}}'),
+        gzip.compress(b'{"states": {"0": [[1, 2], {"status": "done", "rows": "2"}]}}'),
         gzip.compress(b"{")[:-4],
     ],
 )
