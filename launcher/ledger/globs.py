@@ -82,6 +82,8 @@ class _Walker:
             return
         part, rest = parts[0], parts[1:]
         if part == "**":
+            if self.local and os.path.realpath(folder) not in ancestors:  # reached by `*`: where the ** starts
+                ancestors = (*ancestors, os.path.realpath(folder))
             yield from self.walk(folder, rest, ancestors) if rest else iter([folder])
             for info in self._list(folder):
                 if info.type == pafs.FileType.Directory and not info.base_name.startswith("."):
