@@ -238,6 +238,9 @@ def test_a_linked_file_is_read_once_and_a_symlink_loop_is_named(tiny_model, tmp_
     res = launch(f"model.path={tiny_model}", f"dataset.path={tmp_path}/g/**/*.txt", f"output.dir={tmp_path / 'out'}")
     refused(res, f"{tmp_path}/g/a/b/up", "symlink loop", f"leads back to {tmp_path / 'g'}")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=f"{tmp_path}/g/a/b/up leads back"):  # a ** reached through a *
+        source_files(str(tmp_path / "g" / "*" / "**" / "*.txt"))
+    assert source_files(str(tmp_path / "g" / "a" / "b" / "up" / "top.txt"))  # no ** through it: no loop
 
 
 def test_globs_on_s3_match_as_on_disk(s3, tmp_path):
