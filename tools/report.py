@@ -16,6 +16,7 @@ from pathlib import Path
 
 from contact_sheet import contact_sheet, png_bytes
 
+from launcher.errors import ConfigError
 from launcher.host.card import open_run, summarize, write_output
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         page = report_html(args.output_dir)
-    except (FileNotFoundError, NotImplementedError) as e:
+    except (FileNotFoundError, NotImplementedError, ConfigError) as e:  # ConfigError: credentials in the address
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(write_output(args.output_dir, "report.html", page.encode(), args.out))

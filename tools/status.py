@@ -11,30 +11,47 @@ import json
 import shlex
 import sys
 
+from launcher.errors import ConfigError
 from launcher.ledger.runs import latest_record
-from launcher.ledger.states import read_states
+from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
+
+STATUSES = ("done", "failed", "pending", "damaged")
 
 
 def collect(out: str) -> dict:
     store = Store(out)
-    run = store.read_json("run.json")
-    if run is None:
-        raise SystemExit(f"error: {out} has no run.json; is it a meshgen output folder?")
+    try:
+        run = store.read_json("run.json")
+    except ValueError:
+        run = None
+    if not isinstance(run, dict) or not isinstance(run.get("shards"), int):
+        raise ConfigError(f"{store} has no readable run.json; is it a meshgen output folder?")
     shards, errors = {}, {}
-    states = read_states(store)
-    last = latest_record(store) or {}
+    ledger = Ledger(store)
+    states = ledger.refresh()
+    try:
+        last = latest_record(store) or {}
+    except ValueError:  # a run record cut short: the command to rerun falls back to the conf's
+        last = {}
     for i in range(max(run["shards"], last.get("shards", 0))):
         st = states.get(i, {})
-        shards[str(i)] = st.get("status", "pending")
-        if shards[str(i)] == "failed":
-            errors[str(i)] = st.get("error", "")
-    counts = {k: sum(v == k for v in shards.values()) for k in ("done", "failed", "pending")}
-    return {**counts, "shards": shards, "errors": errors, "conf": run["config"]["name"], "command": last.get("command")}
+        shards[str(i)] = "damaged" if i in ledger.damaged else st.get("status", "pending")
+        if shards[str(i)] in ("failed", "damaged"):
+            errors[str(i)] = st.get("error", "") or f"its state file is damaged: {ledger.damaged.get(i)}"
+    counts = {k: sum(v == k for v in shards.values()) for k in STATUSES}
+    return {
+        **counts,
+        "store": store.url(),
+        "shards": shards,
+        "errors": errors,
+        "conf": run["config"]["name"],
+        "command": last.get("command"),
+    }
 
 
 def rerun_command(out: str, info: dict) -> str:
-    failed = [int(i) for i, s in info["shards"].items() if s == "failed"]
+    failed = [int(i) for i, s in info["shards"].items() if s in ("failed", "damaged")]
     ids = "[" + ",".join(map(str, failed)) + "]"
     # The job's own command (from run.json) keeps its overrides: dataset, model, settings.
     command = info.get("command") or ["./launch.sh", f"conf={info['conf']}"]
@@ -48,14 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", help="the run folder: a local path, gs://... or s3://...")
     parser.add_argument("--json", action="store_true", help="print the counts and per-shard status as JSON")
     args = parser.parse_args(argv)
-    info = collect(args.output_dir)
+    try:
+        info = collect(args.output_dir)
+    except (ConfigError, OSError) as e:  # not a run folder, or a store that does not answer
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps({k: info[k] for k in ("done", "failed", "pending", "shards")}))
+        print(json.dumps({k: info[k] for k in (*STATUSES, "shards")}))
         return 0
     total = len(info["shards"])
-    print(f"{args.output_dir}: {total} shards: {info['done']} done, {info['failed']} failed, {info['pending']} pending")
+    damaged = f", {info['damaged']} damaged" if info["damaged"] else ""
+    print(
+        f"{info['store']}: {total} shards: {info['done']} done, {info['failed']} failed, "
+        f"{info['pending']} pending{damaged}"
+    )
     if info["errors"]:
-        print("failed shards:")
+        print("failed or damaged shards:")
         for i, err in info["errors"].items():
             print(f"  {int(i):5d}  {err[:150]}")
         print(f"rerun them with:\n  {rerun_command(args.output_dir, info)}")

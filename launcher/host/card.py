@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from launcher.errors import ConfigError
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
 
@@ -43,7 +44,7 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     the launcher passes what its ledger already holds)."""
     meta = run.read_json("run.json")
     if meta is None:
-        raise FileNotFoundError(f"{run.root} has no run.json; is it a meshgen output folder?")
+        raise FileNotFoundError(f"{run.uri} has no run.json; is it a meshgen output folder?")
     mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
     states = read_states(run) if states is None else states
     shards, from_mtime = [], False
@@ -235,7 +236,7 @@ def write_card(out: str | Path | Store, states: dict[int, dict] | None = None) -
     text = card_text(run, states).encode()
     if run.read_bytes("README.md") != text:  # a rerun with nothing new leaves the folder untouched
         run.write_bytes("README.md", text)
-    return run.path("README.md")
+    return run.url("README.md")
 
 
 def write_output(out: str | Path | Store, name: str, data: bytes, dest: Path | None = None) -> str:
@@ -245,7 +246,7 @@ def write_output(out: str | Path | Store, name: str, data: bytes, dest: Path | N
         return str(dest)
     run = open_run(out)
     run.write_bytes(name, data)
-    return run.path(name)
+    return run.url(name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(write_card(args.output_dir))
-    except (FileNotFoundError, NotImplementedError) as e:
+    except (FileNotFoundError, NotImplementedError, ConfigError) as e:  # ConfigError: credentials in the address
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -33,6 +33,9 @@ def preflight(cfg) -> None:
 
 
 def check_settings(cfg) -> None:
+    from launcher.ledger.addresses import check_config
+
+    check_config(cfg)  # first: an address with credentials in it must not reach any line or file
     g, r = cfg.generate, cfg.run
     for key, value in (
         ("generate.num_inference_steps", g.num_inference_steps),
@@ -47,6 +50,10 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
     if g.guidance_scale < 0:
         raise ConfigError(f"generate.guidance_scale={g.guidance_scale} is negative; use 0 or more")
+    from launcher.ledger.bounds import config_problems
+
+    if problems := config_problems(g):  # what would exhaust a host or make nothing but black images
+        raise ConfigError(problems[0])
     choices = {
         "model.dtype": (cfg.model.dtype, DTYPES),
         "execution.mode": (cfg.execution.mode, MODES),

@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
         return supervise(cfg, conf, overrides, plan_)
     except (ConfigError, LockHeld, OutputRefused) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from launcher.ledger.addresses import masked
+
+        print(f"error: {masked(str(e))}", file=sys.stderr)  # an override Hydra cannot parse is shown whole
         return e.exit_code
 
 

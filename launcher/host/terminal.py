@@ -100,7 +100,7 @@ class WorkerLogs:
         rel = f"{LOGS_DIR}/{run_id}"
         self._upload = not store.is_local
         self.folder = Path(tempfile.mkdtemp(prefix="meshgen-logs-")) / run_id if self._upload else Path(store.path(rel))
-        self.shown_folder = store.path(rel)
+        self.shown_folder = store.url(rel)  # with its scheme: s3://...
         self.specs = RankLogs(self.folder, verbose)
         self._stack = ExitStack()
 

@@ -11,7 +11,6 @@ Nothing holds the whole source: batches stream, and only ids are kept (to refuse
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +18,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
+from launcher.ledger.addresses import check_address
+from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
 
 # Per-row columns that override the config for that sample, where the pipeline accepts them, with their types.
 OVERRIDE_COLUMNS = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
@@ -83,10 +84,13 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
                 ids.append(b.column(0)) if src.id_column else None
                 yield b
         except _GiveUp:
-            for b in _batches(_exact_rows(f, src, start), skip=done):
-                ids.append(b.column(0)) if src.id_column else None
-                done += b.num_rows
-                yield b
+            try:
+                for b in _batches(_exact_rows(f, src, start), skip=done):
+                    ids.append(b.column(0)) if src.id_column else None
+                    done += b.num_rows
+                    yield b
+            except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
+                raise ConfigError(unreadable(f, e)) from None
         start += done
     if start == 0:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
@@ -142,6 +146,8 @@ def _exact_rows(f: str, src: Source, start: int) -> Iterator[dict]:
             )
         if not isinstance(prompt, str):
             raise ConfigError(f"{where}: the prompt ({col!r}) is {_kind(prompt)}, not text; fix that row")
+        if too_long := text_problem(f"the prompt ({col!r})", prompt):
+            raise ConfigError(f"{where}: {too_long}")
         if id_col and r.get(id_col) is None:
             raise ConfigError(
                 f"{where} has no id column {id_col!r} (dataset.id_column); "
@@ -185,24 +191,50 @@ def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem of a local path or a gs:// / s3:// URL, and the path within it."""
     if "://" in path:
-        return pafs.FileSystem.from_uri(path)
+        check_address(path, "dataset.path")
+        magic = [path.index(c) for c in "*?[" if c in path]
+        if not magic:
+            return pafs.FileSystem.from_uri(path)
+        head = path[: min(magic)].rpartition("/")[0]  # a URI parser refuses '[': give it the part before the glob
+        fs, root = pafs.FileSystem.from_uri(head)
+        return fs, root + path[len(head) :]
     return pafs.LocalFileSystem(), path
 
 
 def source_files(path: str) -> list[str]:
     """The files of `dataset.path` (a file, a glob, a save_to_disk folder), checked, in order."""
+    try:
+        return _source_files(path)
+    except (OSError, pa.ArrowException) as e:  # a store that does not answer, an address pyarrow cannot parse
+        raise ConfigError(unreadable(path, e)) from None
+
+
+def unreadable(f: str, e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if "://" not in f:
+        return f"dataset.path {f} cannot be read ({first}); check that it exists and that you may read it"
+    return (
+        f"dataset.path {f} cannot be read ({first}); check the address, the network and the credentials "
+        "(the AWS_* variables for s3://, gcloud application default credentials for gs://)"
+    )
+
+
+def _source_files(path: str) -> list[str]:
+    from launcher.ledger.globs import expand, has_magic
+
     fs, p = filesystem(path)
-    scheme = path.split("://", 1)[0] + "://" if "://" in path else ""
-    if any(c in p for c in "*?["):
-        base = p[: min(p.index(c) for c in "*?[" if c in p)].rsplit("/", 1)[0] or "/"
-        infos = fs.get_file_info(pafs.FileSelector(base, recursive="**" in p or p.count("/") > base.count("/") + 1))
-        matches = sorted(scheme + i.path for i in infos if fnmatch.fnmatch(i.path, p.lstrip("/") if scheme else p))
+    if has_magic(p):
+        matches = expand(path, fs, p)  # Python's glob semantics: * within a folder, ** only where written
     else:
         matches = [path] if fs.get_file_info(p).type != pafs.FileType.NotFound else []
     if not matches:
         raise ConfigError(f"dataset.path {path} does not exist; pass an existing file with dataset.path=...")
+    if has_magic(p):  # a glob's plain folders lead to its files; they are not data themselves
+        matches = [f for f in matches if not _is_folder(f) or _is_saved_dataset(f)]
+        if not matches:
+            raise ConfigError(f"dataset.path {path} matches folders only; end the glob with the files' names")
     for f in matches:
-        if filesystem(f)[0].get_file_info(filesystem(f)[1]).type == pafs.FileType.Directory:
+        if _is_folder(f):
             if _is_saved_dataset(f):
                 continue
             raise ConfigError(
@@ -222,6 +254,11 @@ def _suffix(f: str) -> str:
     return "." + name.rsplit(".", 1)[1].lower() if "." in name else ""
 
 
+def _is_folder(f: str) -> bool:
+    fs, p = filesystem(f)
+    return fs.get_file_info(p).type == pafs.FileType.Directory
+
+
 def _is_saved_dataset(f: str) -> bool:
     fs, p = filesystem(f)
     return all(fs.get_file_info(f"{p}/{n}").type == pafs.FileType.File for n in ("state.json", "dataset_info.json"))
@@ -236,7 +273,8 @@ def _raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]
 
 _NEEDS = {
     "seed": "an integer from 0 to 2**63-1",
-    "guidance_scale": "a number of 0 or more",
+    "num_inference_steps": f"an integer from {STEPS[0]} to {STEPS[1]}",
+    "guidance_scale": f"a finite number from {GUIDANCE[0]:g} to {GUIDANCE[1]:g}",
     "negative_prompt": "text",
 }
 
@@ -250,11 +288,14 @@ def _override(where: str, key: str, value):
                 raise ValueError
             value = int(value)
             ok = 0 <= value < 2**63 if key == "seed" else value >= 1
+            ok = ok and not (key == "num_inference_steps" and steps_problem(value))
         elif key == "guidance_scale":
             value = float(value)
-            ok = value >= 0
+            ok = not guidance_problem(value)
         else:
             ok = isinstance(value, str)
+            if ok and (too_long := text_problem(f"column {key!r}", value)):
+                raise ConfigError(f"{where}: {too_long}")
     except (TypeError, ValueError):
         ok = False
     if not ok:

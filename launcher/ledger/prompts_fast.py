@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from launcher.ledger.bounds import GUIDANCE, STEPS, TEXT_BYTES
 from launcher.ledger.prompts import (
     _INT_COLUMNS,
     BATCH_ROWS,
@@ -146,6 +147,7 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
     prompt = raw.column(src.prompt_column)
     if not (pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type)) or prompt.null_count:
         raise _GiveUp("prompt")
+    _check_length("prompt", prompt)
     if src.id_column:
         ids = raw.column(src.id_column) if src.id_column in names else pa.nulls(n)
         ok = pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) or pa.types.is_integer(ids.type)
@@ -179,17 +181,27 @@ def _override(key: str, col: pa.Array) -> pa.Array:
         if not pa.types.is_integer(t):
             raise _GiveUp(key)
         col = col.cast(pa.int64())  # a uint64 beyond int64 fails here, and goes the exact way
-        low = pc.min(col).as_py()
-        if low is not None and low < (0 if key == "seed" else 1):
+        low, high = pc.min_max(col).values()
+        if low.as_py() is not None and low.as_py() < (0 if key == "seed" else 1):
+            raise _GiveUp(key)
+        if key == "num_inference_steps" and high.as_py() is not None and high.as_py() > STEPS[1]:
             raise _GiveUp(key)
         return col
     if key == "guidance_scale":
         if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
             raise _GiveUp(key)
         col = col.cast(pa.float64())
-        if pc.any(pc.or_(pc.is_nan(col), pc.less(col, 0.0))).as_py():
+        out = pc.or_(pc.invert(pc.is_finite(col)), pc.or_(pc.less(col, GUIDANCE[0]), pc.greater(col, GUIDANCE[1])))
+        if pc.any(out).as_py():
             raise _GiveUp(key)
         return col
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
         raise _GiveUp(key)
+    _check_length(key, col)
     return col.cast(pa.string())
+
+
+def _check_length(key: str, col: pa.Array) -> None:
+    """Give up on text longer than TEXT_BYTES (the exact reader names the line); binary_length counts bytes."""
+    if len(col) and (pc.max(pc.binary_length(col)).as_py() or 0) > TEXT_BYTES:
+        raise _GiveUp(key)

@@ -67,12 +67,15 @@ def _lines(f: str) -> Iterator[tuple[int, str]]:
 
 def _byte_lines(fs, p: str) -> Iterator[bytes]:
     with fs.open_input_stream(p) as raw:
-        rest = b""
+        head: list[bytes] = []  # a line's pieces so far: joined once, so a 100 MB line costs no quadratic copying
         while chunk := raw.read(1 << 20):
-            parts = (rest + chunk).split(b"\n")
-            rest = parts.pop()
-            yield from parts
-        if rest:
+            parts = chunk.split(b"\n")
+            if len(parts) > 1:
+                yield b"".join([*head, parts[0]])
+                yield from parts[1:-1]
+                head = []
+            head.append(parts[-1])
+        if rest := b"".join(head):
             yield rest
 
 

@@ -45,7 +45,10 @@ logger = logging.getLogger(__name__)
 
 class Store:
     def __init__(self, uri: str | os.PathLike):
+        from launcher.ledger.addresses import check_address
+
         uri = str(uri)
+        check_address(uri)  # never s3://KEY:SECRET@...: the address is printed and recorded everywhere
         self.is_local = "://" not in uri
         if self.is_local:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).resolve())
@@ -57,6 +60,10 @@ class Store:
 
     def __str__(self) -> str:
         return self.uri
+
+    def url(self, rel: str = "") -> str:
+        """What to print for `rel`: the address with its scheme (`path` drops it on an object store)."""
+        return f"{self.uri}/{rel}" if rel else self.uri
 
     def path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root

@@ -1,0 +1,334 @@
+"""Issue 20, what comes from outside: damaged ledger files, unbounded rows, globs and links, unreachable sources,
+credentials in addresses, and printed paths on S3. Each case injects the fault found, on the real code path."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO, launch, read_rows
+
+from launcher.errors import ConfigError
+from launcher.ledger.bounds import TEXT_BYTES
+from launcher.ledger.prompts import SCHEMA, Source, _batches, _exact_rows, _GiveUp, source_files
+from launcher.ledger.prompts_fast import fast_batches
+from launcher.ledger.store import Store
+
+# A tool run as a script finds the package through the path; this checkout's, not the venv's editable install.
+TOOL_ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def status(out, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools/status.py"), str(out), *args], capture_output=True, text=True, env=TOOL_ENV
+    )
+
+
+def refused(res: subprocess.CompletedProcess, *parts: str) -> str:
+    """The run exited 2 with one `error:` last line holding `parts`, and no traceback; that line."""
+    last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-3000:]
+    assert last.startswith("error: "), res.stderr[-3000:]
+    for part in parts:
+        assert part in last, f"{part!r} not in the last line: {last}"
+    return last
+
+
+# -- 6. damaged ledger files
+
+
+def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"a small scene number {i}\n" for i in range(12)))
+    job = [f"model.path={tiny_model}", f"dataset.path={prompts}", "run.shard_size=2", "mesh.tp=1"]
+    clean = tmp_path / "clean"
+    assert launch(*job, f"output.dir={clean}").returncode == 0
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    state = out / "state"
+    whole = (state / "shard-00001.json").read_bytes()
+    damage = {
+        0: b"",  # empty
+        1: whole[: len(whole) // 2],  # half-written
+        2: b"[]",  # not an object
+        3: b'{"status": "finished", "rows": 2}',  # the wrong shape: neither done nor failed
+        4: b'{"status": "done", "rows": "two"}',  # a field of the wrong type
+    }
+    for i, data in damage.items():
+        (state / f"shard-{i:05d}.json").write_bytes(data)
+    (state / "shard-1.json").write_text('{"status": "failed", "error": "not ours"}')  # not the ledger's name
+    (state / "index.json.gz").write_bytes(gzip.compress(b"[1, 2]"))  # an index that decodes to a list
+
+    res = status(out, "--json")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    info = json.loads(res.stdout)
+    assert info["damaged"] == 5 and info["done"] == 1 and info["failed"] == 0
+    assert [s for s, v in info["shards"].items() if v == "damaged"] == ["0", "1", "2", "3", "4"]
+    res = status(out)
+    assert res.returncode == 0 and "1 done, 0 failed, 0 pending, 5 damaged" in res.stdout, res.stdout + res.stderr
+
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    warnings = [ln for ln in res.stderr.splitlines() if "is damaged" in ln]
+    named = [f"{state / f'shard-{i:05d}.json'} is damaged" for i in damage] + [f"{state / 'index.json.gz'} is damaged"]
+    for name in named:
+        assert sum(name in ln for ln in warnings) == 1, f"{name!r} not said once in: {warnings}"
+    assert len(warnings) == len(named), warnings
+    assert read_rows(out) == read_rows(clean)  # regenerated, the same images
+    info = json.loads(status(out, "--json").stdout)
+    assert info["done"] == 6 and info["damaged"] == 0
+    assert (state / "shard-1.json").exists()  # a stranger's file is left alone
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"not gzip",
+        gzip.compress(b"[]"),
+        gzip.compress(b'{"states": []}'),
+        gzip.compress(b'{"states": {"0": 5}}'),
+        gzip.compress(b'{"states": {"0": [[1, 2], []]}}'),
+        gzip.compress(b'{"states": {"x": [[1, 2], {}]}}'),
+        gzip.compress(b'{"states": {"0": [[1, 2], {"status": "done", "rows": "2"}]}}'),
+        gzip.compress(b"{")[:-4],
+    ],
+)
+def test_a_damaged_index_is_one_warning_and_the_state_files_are_read(tmp_path, caplog, index):
+    from launcher.ledger.states import INDEX, Ledger, state_rel
+
+    store = Store(tmp_path)
+    for i in range(3):
+        store.write_json(state_rel(i), {"status": "done", "rows": 2})
+    store.write_bytes(INDEX, index)
+    ledger = Ledger(store)
+    assert sorted(ledger.refresh()) == [0, 1, 2] and ledger.reads == 3
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path}/state/index.json.gz is damaged"), said
+    ledger.save_index()  # and a sound index replaces it
+    again = Ledger(store)
+    assert sorted(again.refresh()) == [0, 1, 2] and again.reads == 0
+
+
+# -- 7. bounds at planning
+
+
+@pytest.fixture(scope="module")
+def rows_out_of_bounds(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bounds")
+    pq.write_table(pa.table({"prompt": ["a", "b"], "num_inference_steps": [4, 1_000_000_000]}), d / "steps.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b"], "guidance_scale": [1.0, math.inf]}), d / "inf.parquet")
+    (d / "guidance.csv").write_text("prompt,guidance_scale\na,4\nb,100.5\n")
+    (d / "long.txt").write_text("a\n" + "x" * (65 * 1024 + 1) + "\n")
+    neg = "é" * (TEXT_BYTES // 2 + 1)  # 2 bytes each in UTF-8: over the bound in bytes, under it in characters
+    (d / "neg.jsonl").write_text(
+        json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", "negative_prompt": neg})
+    )
+    return d
+
+
+BOUNDS = {
+    "row-steps-1e9": ("steps.parquet", [], ["steps.parquet", "row 1", "1000000000", "1 to 1000"]),
+    "row-guidance-inf": ("inf.parquet", [], ["inf.parquet", "row 1", "inf", "finite", "0 to 100"]),
+    "row-guidance-above-100": ("guidance.csv", [], ["guidance.csv", "line 3", "100.5", "0 to 100"]),
+    "row-prompt-over-64KiB": ("long.txt", [], ["long.txt", "line 2", "66561 bytes", "64 KiB", "shorten it"]),
+    "row-negative-over-64KiB": ("neg.jsonl", [], ["neg.jsonl", "line 2", "negative_prompt", "65538 bytes", "64 KiB"]),
+    "config-steps-1001": (None, ["generate.num_inference_steps=1001"], ["generate.num_inference_steps=1001", "1000"]),
+    "config-guidance-inf": (None, ["generate.guidance_scale=inf"], ["generate.guidance_scale=inf", "finite"]),
+    "config-guidance-nan": (None, ["generate.guidance_scale=nan"], ["generate.guidance_scale=nan", "finite"]),
+    "config-sequence-1e9": (None, ["generate.max_sequence_length=1000000000"], ["max_sequence_length", "4096"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDS))
+def test_values_out_of_bounds_are_refused_at_planning(case, tiny_model, rows_out_of_bounds, tmp_path):
+    source, overrides, expected = BOUNDS[case]
+    args = [f"model.path={tiny_model}", f"output.dir={tmp_path / 'out'}", *overrides]
+    if source:
+        args.append(f"dataset.path={rows_out_of_bounds / source}")
+    refused(launch(*args, timeout=120), *expected)
+    assert not (tmp_path / "out").exists()  # nothing reached a worker, nothing was written
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "txt"])
+def test_both_readers_take_values_at_their_bounds_and_refuse_beyond(tmp_path, fmt):
+    """The fast reader accepts only what the exact one does: at the bound both give the same rows; beyond it the
+    fast one gives up and the exact one names the row."""
+    at = [{"prompt": "p" * TEXT_BYTES}]
+    if fmt != "txt":
+        at += [
+            {"prompt": "a", "num_inference_steps": 1000, "guidance_scale": 100.0},
+            {"prompt": "b", "num_inference_steps": 1, "guidance_scale": 0.0, "negative_prompt": "n" * TEXT_BYTES},
+        ]
+    beyond = [{"prompt": "p" * (TEXT_BYTES + 1)}]
+    if fmt != "txt":
+        beyond += [{"prompt": "a", "num_inference_steps": 1001}, {"prompt": "a", "guidance_scale": 100.01}]
+        beyond += [{"prompt": "a", "negative_prompt": "n" * (TEXT_BYTES + 1)}]
+        beyond += [{"prompt": "a", "guidance_scale": math.inf}] if fmt == "parquet" else []
+    for k, rows in enumerate([at, *([r] for r in beyond)]):
+        f = _write(tmp_path / f"{k}.{fmt}", rows)
+        src = Source(f)
+        if k == 0:
+            fast = pa.Table.from_batches(list(fast_batches(f, src, 0)), schema=SCHEMA)
+            exact = pa.Table.from_batches(list(_batches(_exact_rows(f, src, 0))), schema=SCHEMA)
+            assert fast.to_pylist() == exact.to_pylist() and fast.num_rows == len(rows)
+            continue
+        with pytest.raises(_GiveUp):
+            list(fast_batches(f, src, 0))
+        with pytest.raises(ConfigError, match="must be|64 KiB"):
+            list(_exact_rows(f, src, 0))
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    if path.suffix == ".txt":
+        path.write_text("".join(r["prompt"] + "\n" for r in rows))
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".csv":
+        import csv
+
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), path)
+    return str(path)
+
+
+# -- 8. globs and links
+
+
+def _tree(root: Path) -> None:
+    for f in ("top.txt", "a/one.txt", "a/b/deep.txt", "c/two.txt", ".h/hidden.txt", "a/.dot.txt", "a/b/c/d/far.txt"):
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text(f"a prompt from {f}\n")
+
+
+PATTERNS = ["*/*.txt", "**/*.txt", "a/**/*.txt", "*.txt", "**/b/*.txt", "a/*/*.txt", "[ac]/*.txt", "?/b/**/*.txt"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_globs_mean_what_python_glob_means(tmp_path, pattern):
+    _tree(tmp_path)
+    want = sorted(glob.glob(str(tmp_path / pattern), recursive=True))
+    assert want, pattern
+    assert source_files(str(tmp_path / pattern)) == want
+
+
+def test_a_linked_file_is_read_once_and_a_symlink_loop_is_named(tiny_model, tmp_path):
+    _tree(tmp_path / "g")
+    (tmp_path / "g" / "a" / "link.txt").symlink_to(tmp_path / "g" / "c" / "two.txt")
+    (tmp_path / "g" / "e").symlink_to(tmp_path / "g" / "c")  # a second path to a folder: no loop
+    files = source_files(str(tmp_path / "g" / "**" / "*.txt"))
+    assert sorted(map(os.path.realpath, files)) == sorted({os.path.realpath(f) for f in files})  # each real file once
+    assert len(files) == 5 and str(tmp_path / "g" / "a" / "link.txt") in files
+    (tmp_path / "g" / "a" / "b" / "up").symlink_to("../..")  # back to g: ** would go round forever
+    res = launch(f"model.path={tiny_model}", f"dataset.path={tmp_path}/g/**/*.txt", f"output.dir={tmp_path / 'out'}")
+    refused(res, f"{tmp_path}/g/a/b/up", "symlink loop", f"leads back to {tmp_path / 'g'}")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=f"{tmp_path}/g/a/b/up leads back"):  # a ** reached through a *
+        source_files(str(tmp_path / "g" / "*" / "**" / "*.txt"))
+    assert source_files(str(tmp_path / "g" / "a" / "b" / "up" / "top.txt"))  # no ** through it: no loop
+
+
+def test_globs_on_s3_match_as_on_disk(s3, tmp_path):
+    _tree(tmp_path)
+    store = Store("s3://meshgen-test/globs")
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            store.write_bytes(str(f.relative_to(tmp_path)), f.read_bytes())
+    for pattern in PATTERNS:
+        local = [f.removeprefix(str(tmp_path)) for f in source_files(str(tmp_path / pattern))]
+        remote = [f.removeprefix("s3://meshgen-test/globs") for f in source_files(f"s3://meshgen-test/globs/{pattern}")]
+        assert remote == local, pattern
+
+
+# -- 9. unreachable and missing sources
+
+
+def test_an_unreachable_or_missing_s3_source_is_one_line(tiny_model, s3, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [f"model.path={tiny_model}", "dataset.path=s3://meshgen-test/prompts.txt", f"output.dir={tmp_path / 'o'}"]
+    res = launch(*args, env={**s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+    refused(res, "dataset.path s3://meshgen-test/prompts.txt", "cannot be read", "credentials")
+    res = launch(*args, env=s3)  # the store answers, the file is not there
+    refused(res, "dataset.path s3://meshgen-test/prompts.txt does not exist")
+    assert not (tmp_path / "o").exists()
+
+
+# -- 10. credentials in addresses
+
+
+def test_addresses_with_credentials_are_refused_and_never_shown(tiny_model, s3, tmp_path):
+    import boto3
+
+    secret = "wJalrXUtnFEMI-K7MDENG"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    job = [f"model.path={tiny_model}", f"dataset.path={prompts}"]
+    cases = [
+        ([*job, f"output.dir=s3://AKIAKEY:{secret}@meshgen-test/cred"], "output.dir=s3://***@meshgen-test/cred"),
+        ([*job, "--dry-run", f"output.dir=s3://AKIAKEY:{secret}@meshgen-test/cred"], "output.dir=s3://***@"),
+        ([*job, f"dataset.path=s3://AKIAKEY:{secret}@meshgen-test/p.txt", "output.dir=s3://meshgen-test/cred"], None),
+        ([*job, f"model.path=https://user:{secret}@example.com/m", f"output.dir={tmp_path / 'o'}"], "model.path="),
+        ([*job, f"output.dir=s3://AKIAKEY:{secret}@meshgen-test/cred]"], "cannot parse"),  # Hydra echoes it
+    ]
+    for args, shown in cases:
+        res = launch(*args, env=s3)
+        last = refused(res, *([shown] if shown else ["dataset.path=s3://***@meshgen-test/p.txt"]))
+        assert secret not in res.stdout + res.stderr
+        if "cannot parse" not in last:
+            assert "carries credentials" in last and "AWS_ACCESS_KEY_ID" in last
+    listed = boto3.client("s3").list_objects_v2(Bucket="meshgen-test", Prefix="cred")
+    assert listed.get("KeyCount", 0) == 0  # no run.json, no record, no log: nothing written
+    assert not (tmp_path / "o").exists()
+    res = status(f"s3://AKIAKEY:{secret}@meshgen-test/cred")
+    assert res.returncode == 2 and secret not in res.stdout + res.stderr and "s3://***@" in res.stderr
+    # Whatever else logs an address (an endpoint from the environment, a library), the log line is masked.
+    code = "import logging, sys; from launcher.logs import setup_logging; setup_logging(0); "
+    code += "logging.getLogger('x').warning('fetching from %s', sys.argv[1])"
+    res = subprocess.run(
+        [sys.executable, "-c", code, f"https://user:{secret}@hub.example/m"],
+        capture_output=True,
+        text=True,
+        env=TOOL_ENV,
+    )
+    assert "fetching from https://***@hub.example/m" in res.stderr and secret not in res.stderr, res.stderr
+
+
+# -- 11. printed paths keep their scheme
+
+
+def test_an_s3_runs_log_lines_keep_the_scheme(tiny_model, s3, tmp_path):
+    """Rank 0 of a run on S3 dies at its start (a sitecustomize on the workers' path); the launcher names its log
+    by its whole address, and that address is where the log is."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '0' and os.environ.get('MESHGEN_TEST_DIE'):\n    os._exit(7)\n"
+    )
+    url = "s3://meshgen-test/logpaths"
+    env = {**s3, "PYTHONPATH": f"{site}:{REPO}", "MESHGEN_TEST_DIE": "1"}
+    res = launch(f"model.path={tiny_model}", f"output.dir={url}", "mesh.tp=1", env=env)
+    assert res.returncode == 7, res.stderr[-3000:]
+    [line] = [ln for ln in res.stderr.splitlines() if "its log:" in ln]
+    log = line.split("its log: ", 1)[1].strip()
+    assert log.startswith(f"{url}/logs/") and log.endswith("/rank-0.log"), line
+    assert any(f"worker logs: {url}/logs/" in ln for ln in res.stderr.splitlines()), res.stderr[-2000:]
+    assert Store(url).exists(log.removeprefix(url + "/"))  # the address printed is the log's
