@@ -185,7 +185,7 @@ def test_gcs_create_asks_for_generation_0_and_reads_a_failed_precondition_as_tak
     assert blobs == {"b/claims/g0.json": b"first"}
 
 
-def test_a_live_lock_on_s3_refuses_a_second_run_with_exit_4(s3, tiny_model):
+def test_a_live_lock_on_s3_refuses_a_second_run_of_the_same_worker(s3):
     url = "s3://meshgen-test/locked"
     with RunLock(Store(url), 0, "first"):
         with pytest.raises(LockHeld, match=r"workers.index=0.*pid \d+") as refused:
@@ -193,6 +193,13 @@ def test_a_live_lock_on_s3_refuses_a_second_run_with_exit_4(s3, tiny_model):
         assert refused.value.exit_code == 4
         with RunLock(Store(url), 1, "other-index"):  # other worker indexes never block each other
             pass
+    with RunLock(Store(url), 0, "third"):  # released: the next run takes it at once
+        pass
+
+
+def test_a_live_s3_lock_makes_a_launch_exit_4(s3, tiny_model):
+    url = "s3://meshgen-test/locked-launch"
+    with RunLock(Store(url), 0, "first"):
         res = launch(f"model.path={tiny_model}", f"output.dir={url}", env=s3)
     assert res.returncode == 4, res.stderr[-2000:]
     assert "another run is active" in res.stderr and "workers.index=0" in res.stderr
