@@ -148,23 +148,27 @@ def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp
 def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}"]
-    res = launch(*args, "testing.fail_shards=[1]")
+    res = launch(*args, "testing.fail_shards=[1]", "dataset.limit=16")  # shards 0 and 1 of the 3
     assert res.returncode == 3, res.stderr[-2000:]
     status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", str(out), "--json"]))
-    assert status["shards"] == {"0": "done", "1": "failed", "2": "done"}
-    assert (status["done"], status["failed"], status["pending"]) == (2, 1, 0)
+    assert status["shards"] == {"0": "done", "1": "failed"}
+    assert (status["done"], status["failed"], status["pending"]) == (1, 1, 0)
     state = json.loads((out / "state" / "shard-00001.json").read_text())
     assert state["error"].startswith("InjectedFailure") and "Traceback" in state["traceback"]
     assert not (out / "data" / "shard-00001.parquet").exists()
     text = subprocess.check_output([sys.executable, "tools/status.py", str(out)], text=True)
     assert "InjectedFailure" in text and "run.shards=[1]" in text
     before = file_snapshot(out)
-    res = launch(*args)
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = launch(*args, "run.shards=failed")  # shard 1 only: not shard 2, pending now that the limit is gone
+    assert res.returncode == 0, res.stderr[-2000:]  # every selected shard is done
+    assert "this run: 8 images from 1 shards" in res.stderr and "0 failed, 1 pending" in res.stderr
     after = file_snapshot(out)
     for name in before:  # the done shards' files are untouched
         if "00001" not in name and name != "run.json":
             assert after[name] == before[name], name
+    assert not (out / "state" / "shard-00002.json").exists()
+    res = launch(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
     assert read_rows(out) == read_rows(run_job())
 
 
