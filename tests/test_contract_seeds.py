@@ -207,3 +207,70 @@ def test_every_config_key_is_classified_as_fingerprinted_or_not():
     cfg = load_config("tiny")
     keys = set(leaves(OmegaConf.masked_copy(cfg, list(cfg.keys())))) - {"name"}
     assert keys - set(COVERED) - set(LEFT_OUT) - COMING == set()
+
+
+# What each change of a covered key reads as, when a resume is refused: old -> new, a left-out key as its default.
+DIFF_LINES = {
+    "generate.guidance_scale": "generate.guidance_scale: 4.0 -> 0.0",
+    "generate.images_per_prompt": "generate.images_per_prompt: 1 -> 2",
+    "execution.cache": "execution.cache: 'none' -> 'taylorseer'",
+    "output.lossless": "output.lossless: False -> True",
+    "model.call_kwargs": "model.call_kwargs: {'text_encoder_out_layers': [1, 2]} -> {'text_encoder_out_layers': [1]}",
+}
+
+
+def test_a_refused_resume_names_old_and_new_values():
+    for key, line in DIFF_LINES.items():
+        value = COVERED[key]
+        new = settings(_cfg(value if "=" in value else f"{key}={value}"))
+        assert settings_diff(TINY_SETTINGS, new) == [line]
+
+
+def _prompts_table():
+    import pyarrow as pa
+
+    return pa.table(
+        {
+            "id": pa.array(["a", "b", "c"]),
+            "prompt": pa.array(["x", None, "zz"]),
+            "seed": pa.array([None, 7, 0], pa.int64()),
+            "guidance_scale": pa.array([1.5, None, None], pa.float64()),
+            "negative_prompt": pa.array([None, None, None], pa.string()),
+        }
+    )
+
+
+def test_prompt_fingerprints_are_known_answers():
+    """State files carry these: a change of the hashing makes every done shard of every old folder stale.
+    The legacy value is by hand (hashlib over json.dumps of each row without its empty cells, sorted keys, one
+    line each); the v2 values were recorded once, for the same reason as the tiny fingerprint above."""
+    from launcher.ledger.shards import legacy_fingerprint, prompts_fingerprint, same_prompts
+
+    t = _prompts_table()
+    assert legacy_fingerprint(t) == "a3b1d4c10c9b5fd5"
+    assert prompts_fingerprint(t) == "v2-3fe8827bc99e369c"
+    assert prompts_fingerprint(t.slice(1)) == "v2-9f51244d47da5da1"  # a zero-copy slice, offsets not at 0
+    fresh = _prompts_table().slice(1).to_pylist()
+    import pyarrow as pa
+
+    assert prompts_fingerprint(pa.Table.from_pylist(fresh, schema=t.schema)) == "v2-9f51244d47da5da1"
+    assert prompts_fingerprint(t.drop_columns(["negative_prompt"])) == "v2-3fe8827bc99e369c"  # all empty: left out
+    assert same_prompts("v2-3fe8827bc99e369c", t) and same_prompts("a3b1d4c10c9b5fd5", t)
+    assert same_prompts(None, t)  # a state without a fingerprint (the oldest runs): trusted
+    assert not same_prompts("v2-9f51244d47da5da1", t) and not same_prompts("a3b1d4c10c9b5fd4", t)
+    assert same_prompts("v2-3fe8827bc99e369c", t, known="v2-3fe8827bc99e369c")
+    assert not same_prompts("v2-3fe8827bc99e369c", t, known="v2-0000000000000000")
+
+
+def test_run_shards_selection():
+    from launcher.errors import ConfigError
+    from launcher.ledger.shards import parse_selection
+
+    assert [parse_selection(s, 4) for s in ("pending", "failed", "all")] == ["pending", "failed", "all"]
+    assert parse_selection([3, 0, 3], 4) == [0, 3] and parse_selection(2, 4) == [2] and parse_selection("1", 4) == [1]
+    assert parse_selection([0, 3], 4) == [0, 3]
+    with pytest.raises(ConfigError, match=r"^run.shards='some' is not pending, failed, all or a list like \[0,3\]$"):
+        parse_selection("some", 4)
+    message = r"^run.shards names shards \[4, -1\] that do not exist: the dataset has 4 shards \(0..3\)$"
+    with pytest.raises(ConfigError, match=message):
+        parse_selection([4, -1, 3], 4)
