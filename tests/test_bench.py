@@ -62,8 +62,10 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
         (f, "imagecodecs", level, p) for f, level in (("png", 1), ("jpeg", 95), ("webp-lossless", 0)) for p in (1, 2)
     ]
     for path, value in _positive_numbers({"writer": rows, "runner": runner}):
-        if "e2e" not in path:  # a difference of two whole-run wall times: noise can make it negative at 4 images
-            assert value >= 0, path
+        if "e2e" in path:  # a difference of two whole-run wall times: noise can make it negative at 4 images
+            continue
+        # a share of waiting can be 0 (the writer kept up); every time, size and rate is a measured positive
+        assert value >= 0 if "share" in path else value > 0, path
     assert all(r["images_per_s"] > 0 for r in rows)
 
     printed = capsys.readouterr().out
@@ -93,7 +95,9 @@ def test_gpu_bench_dry_run_writes_json(tmp_path, tools):
     assert gpu_bench.main(["--dry-run", "--modes", "eager", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["modes"]["eager"]["step_s"] > 0 and result["modes"]["eager"]["finite"]
-    assert result["params"] > 0 and result["tflop_per_step"] > 0
+    assert result["params"] > 0 and result["tokens"] == {"image": 64, "text": 16}  # an 8 x 8 grid, 16 text tokens
+    # by hand: d = 2 heads x 32 = 64, 2 blocks, 80 tokens: 2*2*12*64^2*80 + 2*4*80^2*64 + 2*64*(64*64*2 + 16*64)
+    assert result["tflop_per_step"] * 1e12 == pytest.approx(20_185_088)
 
 
 def test_speed_bench_counts_offload_moves_parking_and_cache(tiny_model, tools):
@@ -105,7 +109,7 @@ def test_speed_bench_counts_offload_moves_parking_and_cache(tiny_model, tools):
     r = bench_release(str(tiny_model), 1, 32, 1)
     assert 0 < r["released"]["weights"] < r["kept"]["weights"]
     c = bench_cache(str(tiny_model), 1, 32, (8,))["steps_8"]
-    assert c["taylorseer"]["s_per_image"] > 0 and c["max_pixel_diff"] >= 0
+    assert c["taylorseer"]["s_per_image"] > 0 and c["max_pixel_diff"] > 0  # step caching changes the images
 
 
 def test_control_bench_runs_at_tiny_sizes(tiny_model, tmp_path, tools):

@@ -5,40 +5,54 @@ import pytest
 from launcher.config import available_confs, load_config
 from launcher.errors import ConfigError
 
-CONTRACT_OVERRIDES = [
-    "device=cpu",
-    "mesh.dp=2",
-    "mesh.tp=1",
-    "mesh.nodes=1",
-    "model.path=/some/folder",
-    "model.dtype=float16",
-    "model.shard_text_encoder=false",
-    "model.shard_transformer=false",
-    "dataset.path=p.jsonl",
-    "dataset.prompt_column=text",
-    "dataset.id_column=key",
-    "dataset.limit=10",
-    "generate.height=128",
-    "generate.width=96",
-    "generate.num_inference_steps=3",
-    "generate.guidance_scale=0",
-    "generate.max_sequence_length=77",
-    "generate.batch_size=4",
-    "generate.seed=7",
-    "run.shard_size=16",
-    "run.shards=failed",
-    "run.shards=[0,3]",
-    "run.overwrite=true",
-    "run.on_error=abort",
-    "output.dir=/tmp/x",
-    "output.png=false",
-    "output.parquet=true",
-    "execution.mode=compile",
-    "execution.offload=model",
-    "workers.index=1",
-    "workers.count=2",
-    "testing.fail_shards=[1,2]",
-]
+# Each contract key with a value the tiny conf does not have, and what the composed config must then hold, typed.
+CONTRACT_OVERRIDES = {
+    "device=cuda": ("device", "cuda"),
+    "mesh.dp=2": ("mesh.dp", 2),
+    "mesh.tp=1": ("mesh.tp", 1),
+    "mesh.nodes=2": ("mesh.nodes", 2),
+    "mesh.chip=v6e": ("mesh.chip", "v6e"),
+    "mesh.chip_memory_gib=31.25": ("mesh.chip_memory_gib", 31.25),
+    "mesh.chips_per_host=4": ("mesh.chips_per_host", 4),
+    "model.path=/some/folder": ("model.path", "/some/folder"),
+    "model.dtype=float16": ("model.dtype", "float16"),
+    "model.shard_text_encoder=false": ("model.shard_text_encoder", False),
+    "model.shard_transformer=false": ("model.shard_transformer", False),
+    "dataset.path=p.jsonl": ("dataset.path", "p.jsonl"),
+    "dataset.prompt_column=text": ("dataset.prompt_column", "text"),
+    "dataset.id_column=key": ("dataset.id_column", "key"),
+    "dataset.limit=10": ("dataset.limit", 10),
+    "generate.height=128": ("generate.height", 128),
+    "generate.width=96": ("generate.width", 96),
+    "generate.num_inference_steps=3": ("generate.num_inference_steps", 3),
+    "generate.guidance_scale=0": ("generate.guidance_scale", 0.0),
+    "generate.max_sequence_length=77": ("generate.max_sequence_length", 77),
+    "generate.batch_size=4": ("generate.batch_size", 4),
+    "generate.seed=7": ("generate.seed", 7),
+    "generate.images_per_prompt=3": ("generate.images_per_prompt", 3),
+    "run.shard_size=16": ("run.shard_size", 16),
+    "run.shards=failed": ("run.shards", "failed"),
+    "run.shards=[0,3]": ("run.shards", [0, 3]),
+    "run.overwrite=true": ("run.overwrite", True),
+    "run.on_error=abort": ("run.on_error", "abort"),
+    "run.stale=keep": ("run.stale", "keep"),
+    "run.timeout_s=30": ("run.timeout_s", 30),
+    "output.dir=/tmp/x": ("output.dir", "/tmp/x"),
+    "output.format=webp": ("output.format", "webp"),
+    "output.quality=80": ("output.quality", 80),
+    "output.lossless=true": ("output.lossless", True),
+    "output.image_files=false": ("output.image_files", False),
+    "output.png=false": ("output.image_files", False),  # the old name still works
+    "output.parquet=false": ("output.parquet", False),
+    "output.webdataset=true": ("output.webdataset", True),
+    "execution.mode=compile": ("execution.mode", "compile"),
+    "execution.offload=model": ("execution.offload", "model"),
+    "execution.staged=true": ("execution.staged", True),
+    "execution.cache=magcache": ("execution.cache", "magcache"),
+    "workers.index=1": ("workers.index", 1),
+    "workers.count=2": ("workers.count", 2),
+    "testing.fail_shards=[1,2]": ("testing.fail_shards", [1, 2]),
+}
 
 
 @pytest.mark.parametrize("conf", available_confs())
@@ -68,11 +82,14 @@ def test_the_four_jobs_exist_with_their_settings():
 
 @pytest.mark.parametrize("override", CONTRACT_OVERRIDES)
 def test_contract_overrides_are_accepted(override):
-    cfg = load_config("tiny", [override])
-    key, value = override.split("=", 1)
-    group, _, leaf = key.partition(".")
-    got = cfg[group][leaf] if leaf else cfg[group]
-    assert str(got).lower().replace(" ", "") == value.lower() or str(got) in value or value in str(got)
+    from omegaconf import OmegaConf
+
+    key, expected = CONTRACT_OVERRIDES[override]
+    tiny = OmegaConf.select(load_config("tiny"), key)
+    got = OmegaConf.select(load_config("tiny", [override]), key)
+    got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
+    assert tiny != expected  # else an ignored override would pass
+    assert (type(got), got) == (type(expected), expected)
 
 
 def test_unknown_key_names_it():

@@ -7,7 +7,6 @@ Several checks share one run: every run costs a torchrun start on a busy 2-core 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 
@@ -43,9 +42,9 @@ def overhead(family: str, pipe) -> int:
     return n + len(text.encode()) - dropped
 
 
-def contract_seed(base: int, sample_id: str) -> int:
-    digest = hashlib.sha256(f"{base}:{sample_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+# The contract's seed of each row (job seed 0): sha256("0:<id>") for p0, p1, p5, computed once with hashlib and
+# written out; p2..p4 carry their own seed.
+SEEDS = {"p0": 1046182997242665415, "p1": 2140390910033295868, "p2": 11, "p3": 11, "p4": 11, "p5": 7635181646612482682}
 
 
 def prompt_rows(family: str, limit: int, over: int) -> list[dict]:
@@ -117,7 +116,7 @@ def bare_images(family: str, pipe, rows: list[dict]) -> dict[str, np.ndarray]:
             g = r.get("guidance_scale", 4.0)
             kwargs = dict(
                 prompt=[r["prompt"]],
-                generator=[torch.Generator("cpu").manual_seed(r.get("seed") or contract_seed(0, r["id"]))],
+                generator=[torch.Generator("cpu").manual_seed(SEEDS[r["id"]])],
                 height=64,
                 width=64,
                 num_inference_steps=4,
@@ -148,7 +147,7 @@ def test_dp2_matches_a_bare_diffusers_loop_bitwise(family, family_job):
     ref = bare_images(family, pipe, rows)
     assert sorted(got) == sorted(ref)
     for r in rows:
-        assert got[r["id"]]["seed"] == (r.get("seed") or contract_seed(0, r["id"]))
+        assert got[r["id"]]["seed"] == SEEDS[r["id"]]
         assert np.array_equal(pixels(got[r["id"]]["image"]["bytes"]), ref[r["id"]]), r["id"]
     [record] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
     assert record["truncated_prompts"] == 1, res.stderr[-2000:]  # p5, not p1

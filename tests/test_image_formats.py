@@ -3,13 +3,21 @@
 import io
 import tarfile
 
+import imagecodecs
 import numpy as np
 import pyarrow.parquet as pq
 from conftest import launch, pixels, read_rows
 from PIL import Image
 
+from launcher.config import load_config
 from launcher.worker.encode import Encoding, encode
 
+# The IJG luminance table at quality 95 (Annex K's table scaled by 200 - 2 * 95 = 10 %, rounded, at least 1),
+# worked out by hand from the standard; quality 30 would give 27 in the first place.
+JPEG_Q95_LUMA = [
+    2, 1, 1, 2, 2, 4, 5, 6, 1, 1, 1, 2, 3, 6, 6, 6, 1, 1, 2, 2, 4, 6, 7, 6, 1, 2, 2, 3, 5, 9, 8, 6,
+    2, 2, 4, 6, 7, 11, 10, 8, 2, 4, 6, 6, 8, 10, 11, 9, 5, 6, 8, 9, 10, 12, 12, 10, 7, 9, 10, 10, 11, 10, 10, 10,
+]  # fmt: skip
 JPEG_JOB = ("output.format=jpeg", "output.webdataset=true", "output.row_group_size=3")
 
 
@@ -31,7 +39,8 @@ def test_jpeg_run_writes_jpg_files_parquet_paths_and_webdataset_keys(run_job):
         # The very image the PNG run holds losslessly (the same seed gives the same pixels), at quality 95: these
         # random-weight images are noise, which JPEG's chroma subsampling blurs, hence a low PSNR bound.
         original = pixels(png[key]["image"]["bytes"]).astype(np.uint8)
-        assert r["image"]["bytes"] == encode(original, Encoding("jpeg", quality=95))
+        assert r["image"]["bytes"] == imagecodecs.jpeg8_encode(original, level=95)  # libjpeg itself, not encode()
+        assert image.quantization[0] == JPEG_Q95_LUMA  # what quality 95 means, whichever library wrote it
         assert psnr(pixels(r["image"]["bytes"]), original) > 18
     assert not list((out / "images").rglob("*.png"))
     with tarfile.open(out / "webdataset" / "shard-00000.tar") as tar:
@@ -79,3 +88,27 @@ def test_row_groups_hold_a_fixed_number_of_rows(run_job):
     assert group.column("id").to_pylist() == ["3", "4", "5"]
     assert Image.open(io.BytesIO(group.column("image")[0].as_py()["bytes"])).size == (64, 64)
     assert pq.ParquetFile(out / "data" / "shard-00002.parquet").metadata.num_row_groups == 2  # 4 rows: 3 + 1
+
+
+def _zlib_level(png: bytes) -> int:
+    """FLEVEL of a PNG's zlib stream (RFC 1950): 0 for level 1, 1 for 2-5, 2 for 6, 3 for 7-9."""
+    idat = png.index(b"IDAT") + 4
+    return png[idat + 1] >> 6
+
+
+def test_png_encoder_png_level_and_webp_method_reach_the_encoder():
+    """The config's encoder choices as written: the same bytes as the named library called with them."""
+    px = np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+
+    def enc(*overrides):
+        return Encoding.from_config(load_config("tiny", list(overrides)).output)
+
+    assert _zlib_level(encode(px, enc())) == 0  # the default: level 1
+    assert _zlib_level(encode(px, enc("output.png_level=9"))) == 3
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format="PNG", compress_level=6)
+    assert encode(px, enc("output.png_encoder=pil", "output.png_level=6")) == buf.getvalue()
+    assert encode(px, enc("output.png_level=6")) == bytes(imagecodecs.png_encode(px, level=6))
+    assert encode(px, enc("output.png_level=6")) != buf.getvalue()  # so the two encoders are told apart
+    webp = {m: encode(px, enc("output.format=webp", f"output.webp_method={m}")) for m in (0, 4)}
+    assert webp[4] == bytes(imagecodecs.webp_encode(px, level=95, lossless=False, method=4)) != webp[0]

@@ -1,0 +1,205 @@
+"""Known answers for the ledger's promises: the exit code for every mix of done / failed / pending shards, one
+winner of a claim race (on disk and on the local S3 server), S3's conditional create, GCS's create seam and the
+lock's exit 4 on S3. Written against behaviour (who wins, what code), not against the records' fields."""
+
+import multiprocessing
+import os
+import sys
+import threading
+import types
+
+import pytest
+from conftest import launch
+
+from launcher.errors import LockHeld
+from launcher.ledger.claims import Claims
+from launcher.ledger.lock import RunLock
+from launcher.ledger.plan import Plan, ShardPlan
+from launcher.ledger.states import Ledger
+from launcher.ledger.store import Store
+
+# shard states after the run -> the launcher's exit code, written out (DESIGN.md "Exit status"):
+# 0 every selected shard is done (or held by another live run, which answers for it); 3 anything else not done.
+# "held" is a pending shard, "held_failed" a failed one, whose newest claim belongs to another live run.
+EXIT_TABLE = [
+    ((), 0),
+    (("done",), 0),
+    (("failed",), 3),
+    (("pending",), 3),
+    (("held",), 0),
+    (("held_failed",), 0),
+    (("done", "done"), 0),
+    (("done", "failed"), 3),
+    (("done", "pending"), 3),
+    (("failed", "pending"), 3),
+    (("done", "held"), 0),
+    (("failed", "held"), 3),
+    (("pending", "held"), 3),
+    (("done", "failed", "pending"), 3),
+    (("done", "held", "held_failed"), 0),
+    (("done", "failed", "pending", "held"), 3),
+]
+
+
+def _ledger_with(tmp_path, kinds):
+    store = Store(tmp_path)
+    shards = [ShardPlan(i, 2, f"fp{i}", "pending") for i in range(len(kinds))]
+    other = Claims(store, 1, "other-run", 0.0)
+    for i, kind in enumerate(kinds):
+        if kind.startswith("held"):  # claimed first: a claim is not taken on a shard finished since the run began
+            assert other.try_claim(i)
+        if kind == "done":
+            store.write_json(
+                f"state/shard-{i:05d}.json",
+                {"status": "done", "rows": 2, "run_id": "this-run", "prompts_fingerprint": f"fp{i}"},
+            )
+        if kind in ("failed", "held_failed"):
+            store.write_json(f"state/shard-{i:05d}.json", {"status": "failed", "rows": 0, "run_id": "this-run"})
+    return store, Plan(shards, list(range(len(kinds))), [])
+
+
+@pytest.mark.parametrize(("kinds", "expected"), EXIT_TABLE)
+@pytest.mark.parametrize("workers_code", [0, 3])
+def test_the_exit_code_is_decided_by_the_ledger(tmp_path, kinds, expected, workers_code):
+    from launcher.host.summary import summarize
+
+    with RunLock(Store(tmp_path), 1, "other-run"):  # the other run is alive while it holds its lock
+        store, plan = _ledger_with(tmp_path, kinds)
+        _, record = summarize(store, Ledger(store), plan, "this-run", 0.0, workers_code, ["./launch.sh"])
+    assert record["exit_code"] == expected
+
+
+@pytest.mark.parametrize("signal_or_crash", [1, 130, 137, 143])
+def test_a_signal_or_crash_keeps_its_own_code(tmp_path, signal_or_crash):
+    from launcher.host.summary import summarize
+
+    store, plan = _ledger_with(tmp_path, ("done",))
+    _, record = summarize(store, Ledger(store), plan, "this-run", 0.0, signal_or_crash, ["./launch.sh"])
+    assert record["exit_code"] == signal_or_crash
+
+
+def _race(url: str, workers: int, shard: int) -> list[int]:
+    """Worker processes 1..n take over a dead claim at once: each lists the claims, then all create the next
+    generation together. Each exits 0 if it won the shard, 1 if not."""
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(workers, timeout=60)
+
+    class Together(Store):
+        def files(self, rel_dir, suffix=""):
+            listed = super().files(rel_dir, suffix)
+            if rel_dir.startswith("claims/"):
+                barrier.wait()  # nobody creates before everyone has listed: all try the same generation
+            return listed
+
+    def take(w: int) -> None:
+        os._exit(0 if Claims(Together(url), w, f"run-{w}", 0.0).try_claim(shard) else 1)
+
+    locks = [RunLock(Store(url), w, f"run-{w}") for w in range(1, workers + 1)]
+    for lock in locks:
+        lock.acquire()  # the racers' runs are alive
+    try:
+        procs = [ctx.Process(target=take, args=(w,)) for w in range(1, workers + 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+    finally:
+        for lock in locks:
+            lock.release()
+    return sorted(p.exitcode for p in procs)
+
+
+def _dead_claim(store: Store, shard: int) -> None:
+    assert store.create_exclusive(f"claims/shard-{shard:05d}/g00000.json", b'{"worker": 0, "run_id": "dead"}')
+
+
+def test_of_workers_taking_over_at_once_exactly_one_wins_on_disk(tmp_path):
+    store = Store(tmp_path)
+    _dead_claim(store, 5)
+    assert _race(str(tmp_path), 3, 5) == [0, 1, 1]
+
+
+def test_of_workers_taking_over_at_once_exactly_one_wins_on_s3(s3):
+    url = "s3://meshgen-test/race"
+    _dead_claim(Store(url), 5)
+    assert _race(url, 2, 5) == [0, 1]
+
+
+def test_s3_conditional_create_refuses_an_existing_key(s3):
+    store = Store("s3://meshgen-test/create")
+    assert store.create_exclusive("x/y.json", b'{"a": 1}')
+    assert not store.create_exclusive("x/y.json", b'{"a": 2}')
+    assert store.read_json("x/y.json") == {"a": 1}
+    barrier, wins = threading.Barrier(4, timeout=30), []
+
+    def create(i: int) -> None:
+        barrier.wait()
+        if store.create_exclusive("x/z.json", str(i).encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(wins) == 1 and store.read_bytes("x/z.json") == str(wins[0]).encode()
+
+
+def test_gcs_create_asks_for_generation_0_and_reads_a_failed_precondition_as_taken(monkeypatch):
+    """No GCS server here: the seam is google-cloud-storage's upload with if_generation_match=0 (create only if
+    absent), whose PreconditionFailed means "exists"."""
+
+    class PreconditionFailed(Exception):
+        pass
+
+    blobs: dict[str, bytes] = {}
+
+    class Blob:
+        def __init__(self, key):
+            self.key = key
+
+        def upload_from_string(self, data, if_generation_match=None):
+            if if_generation_match != 0:
+                blobs[self.key] = data  # without the precondition GCS overwrites: the race would be lost
+                return
+            if self.key in blobs:
+                raise PreconditionFailed(self.key)
+            blobs[self.key] = data
+
+    client = types.SimpleNamespace(bucket=lambda name: types.SimpleNamespace(blob=lambda key: Blob(f"{name}/{key}")))
+    exc = types.ModuleType("google.api_core.exceptions")
+    exc.PreconditionFailed = PreconditionFailed
+    storage = types.ModuleType("google.cloud.storage")
+    storage.Client = lambda: client
+    for name, mod in {
+        "google": types.ModuleType("google"),
+        "google.api_core": types.ModuleType("google.api_core"),
+        "google.api_core.exceptions": exc,
+        "google.cloud": types.ModuleType("google.cloud"),
+        "google.cloud.storage": storage,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["google.cloud"].storage = storage
+    from launcher.ledger.store import _gcs_create_exclusive
+
+    assert _gcs_create_exclusive("b", "claims/g0.json", b"first")
+    assert not _gcs_create_exclusive("b", "claims/g0.json", b"second")
+    assert blobs == {"b/claims/g0.json": b"first"}
+
+
+def test_a_live_lock_on_s3_refuses_a_second_run_of_the_same_worker(s3):
+    url = "s3://meshgen-test/locked"
+    with RunLock(Store(url), 0, "first"):
+        with pytest.raises(LockHeld, match=r"workers.index=0.*pid \d+") as refused:
+            RunLock(Store(url), 0, "second").acquire()
+        assert refused.value.exit_code == 4
+        with RunLock(Store(url), 1, "other-index"):  # other worker indexes never block each other
+            pass
+    with RunLock(Store(url), 0, "third"):  # released: the next run takes it at once
+        pass
+
+
+def test_a_live_s3_lock_makes_a_launch_exit_4(s3, tiny_model):
+    url = "s3://meshgen-test/locked-launch"
+    with RunLock(Store(url), 0, "first"):
+        res = launch(f"model.path={tiny_model}", f"output.dir={url}", env=s3)
+    assert res.returncode == 4, res.stderr[-2000:]
+    assert "another run is active" in res.stderr and "workers.index=0" in res.stderr
