@@ -44,7 +44,7 @@ EXIT_TABLE = [
 def _ledger_with(tmp_path, kinds):
     store = Store(tmp_path)
     shards = [ShardPlan(i, 2, f"fp{i}", "pending") for i in range(len(kinds))]
-    other = Claims(store, 1, "other-run", 0.0)
+    other = Claims(store, 1, "other-run")
     for i, kind in enumerate(kinds):
         if kind.startswith("held"):  # claimed first: a claim is not taken on a shard finished since the run began
             assert other.try_claim(i)
@@ -92,7 +92,7 @@ def _race(url: str, workers: int, shard: int) -> list[int]:
             return listed
 
     def take(w: int) -> None:
-        os._exit(0 if Claims(Together(url), w, f"run-{w}", 0.0).try_claim(shard) else 1)
+        os._exit(0 if Claims(Together(url), w, f"run-{w}").try_claim(shard) else 1)
 
     locks = [RunLock(Store(url), w, f"run-{w}") for w in range(1, workers + 1)]
     for lock in locks:
