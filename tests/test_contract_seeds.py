@@ -165,6 +165,7 @@ LEFT_OUT = {
     "workers.count": "2",
     "testing.fail_shards": "[1]",
     "testing.compile_backend": "aot_eager",
+    "testing.hold_after_ledger_read": "/tmp/never",
 }
 # Keys that other issues add: the contract says loras and sweep are fingerprinted; the lead classifies `job` and
 # `dataset.image_column` (the references' hashes are per row) when they land.
