@@ -48,8 +48,10 @@ class Plan:
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    d = cfg.dataset
-    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt)
+    d, edit = cfg.dataset, cfg.get("job", "text_to_image") == "edit"
+    images = d.image_column if edit else None
+    by_ref = edit and cfg.generate.size_from_reference
+    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt, images, by_ref)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -124,10 +126,12 @@ def plan_rel(run_id: str) -> str:
 def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | None = None) -> None:
     """Pass 2: the selected shards' rows, one record batch each, written whole or not at all."""
     from launcher.ledger.prompts import SCHEMA
+    from launcher.ledger.references import REF_FIELDS
 
     wanted = set(plan.selected)
     meta = {"shards": [[i, plan.shards[i].fingerprint] for i in sorted(wanted)]}
-    schema = SCHEMA.with_metadata({"meshgen_plan": json.dumps(meta)})
+    schema = SCHEMA if source(cfg).image_column is None else pa.schema([*SCHEMA, *REF_FIELDS])
+    schema = schema.with_metadata({"meshgen_plan": json.dumps(meta)})
     last = max(wanted)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
         for i, table, _ in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):

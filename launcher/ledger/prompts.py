@@ -43,6 +43,8 @@ class Source:
     id_column: str | None = None
     sizes: SizeRule | None = None
     images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
+    image_column: str | None = None  # job=edit: each row's references (launcher/ledger/references.py)
+    size_from_reference: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class SizeRule:
     max_pixels: int  # what the family allows
     height: int  # the config's, for rows that set only one of the two
     width: int
+    max_references: int = 0  # job=edit: references a row may give (the family's), checked at planning
 
     def problem(self, h: int, w: int) -> str | None:
         for key, v in (("height", h), ("width", w)):
@@ -75,18 +78,23 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
     from launcher.ledger.prompts_fast import fast_batches
 
     files, start, ids = source_files(src.path), 0, []
+    refs = None
+    if src.image_column:
+        from launcher.ledger.references import References
+
+        refs = References(src, files)
     for f in files:
         done = 0
         try:
             for b in fast_batches(f, src, start):
                 done += b.num_rows
                 ids.append(b.column(0)) if src.id_column else None
-                yield b
+                yield refs.attach(b) if refs else b
         except _GiveUp:
             for b in _batches(_exact_rows(f, src, start), skip=done):
                 ids.append(b.column(0)) if src.id_column else None
                 done += b.num_rows
-                yield b
+                yield refs.attach(b) if refs else b
         start += done
     if start == 0:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
@@ -190,8 +198,12 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 
 def source_files(path: str) -> list[str]:
-    """The files of `dataset.path` (a file, a glob, a save_to_disk folder), checked, in order."""
+    """The files of `dataset.path` (a file, a glob, a save_to_disk folder, a meshgen output folder), checked, in
+    order."""
     fs, p = filesystem(path)
+    if fs.get_file_info(f"{p.rstrip('/')}/run.json").type == pafs.FileType.File:
+        path = path.rstrip("/") + "/data/*.parquet"  # an earlier meshgen run: its Parquet shards, in shard order
+        fs, p = filesystem(path)
     scheme = path.split("://", 1)[0] + "://" if "://" in path else ""
     if any(c in p for c in "*?["):
         base = p[: min(p.index(c) for c in "*?[" if c in p)].rsplit("/", 1)[0] or "/"
