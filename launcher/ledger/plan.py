@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches
+from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches, run_folder
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
 from launcher.ledger.states import select_shards
 from launcher.ledger.store import Store
@@ -51,7 +51,8 @@ def source(cfg, sizes: SizeRule | None = None) -> Source:
     d, edit = cfg.dataset, cfg.get("job", "text_to_image") == "edit"
     images = d.image_column if edit else None
     by_ref = edit and cfg.generate.size_from_reference
-    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt, images, by_ref)
+    ids = d.id_column or ("id" if edit and run_folder(d.path) else None)  # an earlier run's rows keep their ids
+    return Source(d.path, d.prompt_column, ids, sizes, cfg.generate.images_per_prompt, images, by_ref)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:

@@ -197,13 +197,22 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), path
 
 
+def run_folder(path: str) -> bool:
+    """Whether `path` is an earlier meshgen run's output folder, or its `data/*.parquet`."""
+    folder = path.rstrip("/").removesuffix("/data/*.parquet")
+    fs, p = filesystem(folder)
+    try:
+        return fs.get_file_info(f"{p}/run.json").type == pafs.FileType.File
+    except (OSError, ValueError):
+        return False
+
+
 def source_files(path: str) -> list[str]:
     """The files of `dataset.path` (a file, a glob, a save_to_disk folder, a meshgen output folder), checked, in
     order."""
-    fs, p = filesystem(path)
-    if fs.get_file_info(f"{p.rstrip('/')}/run.json").type == pafs.FileType.File:
+    if run_folder(path) and not path.endswith(".parquet"):
         path = path.rstrip("/") + "/data/*.parquet"  # an earlier meshgen run: its Parquet shards, in shard order
-        fs, p = filesystem(path)
+    fs, p = filesystem(path)
     scheme = path.split("://", 1)[0] + "://" if "://" in path else ""
     if any(c in p for c in "*?["):
         base = p[: min(p.index(c) for c in "*?[" if c in p)].rsplit("/", 1)[0] or "/"

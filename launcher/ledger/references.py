@@ -172,7 +172,8 @@ def plan_row(where: str, f: str, n: int, value, base: str, src) -> tuple[list[st
         if isinstance(e, dict) and e.get("bytes") is not None:
             data = e["bytes"]
             sha, size = hashlib.sha256(data).hexdigest(), check_image(io.BytesIO(data), where, f"#{k}", max_pixels)
-            locs.append({"path": e.get("path"), "src": [f, src.image_column, n, k]})
+            # Lineage names the source row (its file and row): a stored image's own `path` is only a file name.
+            locs.append({"path": stored_name(f, n, k), "src": [f, src.image_column, n, k]})
         else:
             rel = e.get("path") if isinstance(e, dict) else e
             if not isinstance(rel, str) or not rel:
@@ -221,6 +222,23 @@ def fit_size(h: int, w: int, sizes) -> tuple[int, int]:
         scale = (limit / (h * w)) ** 0.5
         h, w = int(h * scale), int(w * scale)
     return max(m, h // m * m), max(m, w // m * m)
+
+
+def stored_name(f: str, n: int, k: int) -> str:
+    return f"{f}#row={n}" + (f"&ref={k}" if k else "")
+
+
+def read_lineage(path: str, column: str = "image") -> bytes:
+    """A reference's bytes from its lineage path (a file, or `<source file>#row=N[&ref=K]`), for tools."""
+    from launcher.ledger.prompts import filesystem
+
+    if "#row=" in path:
+        f, _, rest = path.rpartition("#row=")
+        n, _, k = rest.partition("&ref=")
+        return _stored_bytes(f, column, int(n), int(k or 0))
+    fs, p = filesystem(path)
+    with fs.open_input_stream(p) as fh:
+        return fh.read()
 
 
 def load_references(row: dict) -> list[tuple[dict, bytes]]:
