@@ -151,7 +151,8 @@ def hub_license(note: str) -> dict:
 
 def front_matter(run: Store, summary: dict) -> dict:
     model = summary["meta"]["config"]["model"]
-    front = {**hub_license(model.get("license", "")), "task_categories": ["text-to-image"], "tags": ["synthetic"]}
+    task = "image-to-image" if summary["meta"]["config"].get("job") == "edit" else "text-to-image"
+    front = {**hub_license(model.get("license", "")), "task_categories": [task], "tags": ["synthetic"]}
     named, files, size = data_files(run, summary)
     if files:  # none yet (or output.parquet=false): the card goes without configs, and still renders
         front["size_categories"] = [size_category(size["rows"])]

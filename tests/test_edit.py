@@ -1,0 +1,234 @@
+"""job=edit end to end through launch.sh: chained onto a text-to-image run's output folder, references in a path
+column, staleness, bad input, and both editing families (tiny FLUX.2, tiny Qwen-Image-Edit-Plus)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import launch, max_diff, pixels, read_rows
+from PIL import Image
+
+EDIT = ("job=edit", "run.shard_size=2", "generate.num_inference_steps=3")
+
+
+def contract_seed(sample_id: str, base: int = 0) -> int:
+    """DESIGN.md's seed, computed here from its words rather than by the code under test."""
+    return int.from_bytes(hashlib.sha256(f"{base}:{sample_id}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@pytest.fixture(scope="module")
+def source(run_job) -> Path:
+    """The text-to-image run the edits start from (tiny FLUX.2, tp=1, 20 prompts)."""
+    return run_job("mesh.tp=1")
+
+
+@pytest.fixture(scope="module")
+def edit(tiny_model, tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def run(*overrides: str, model: Path | None = None) -> Path:
+        key = (*overrides, str(model))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("edit")
+            res = launch(f"model.path={model or tiny_model}", f"output.dir={out}", *EDIT, *overrides, timeout=600)
+            assert res.returncode == 0, res.stderr[-3000:]
+            cache[key] = out
+        return cache[key]
+
+    return run
+
+
+def bare_edit(model: Path, refs: list[bytes], prompt: str, seed: int, **kw) -> np.ndarray:
+    """What a user writes: pipe(image=[refs], prompt=..., generator=...), one thread, as the workers run."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    torch.set_num_threads(1)
+    pipe = _PIPES.get(model) or _PIPES.setdefault(model, DiffusionPipeline.from_pretrained(model))
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in refs]
+    out = pipe(
+        image=images,
+        prompt=[prompt],
+        height=64,
+        width=64,
+        num_inference_steps=3,
+        generator=[torch.Generator("cpu").manual_seed(seed)],
+        output_type="np",
+        **kw,
+    ).images[0]
+    return (out * 255).round().astype(np.int16)
+
+
+_PIPES: dict = {}
+FLUX2_KW = dict(guidance_scale=4.0, max_sequence_length=256, text_encoder_out_layers=(1, 2))
+
+
+def test_edit_chained_onto_a_run_keeps_rows_lineage_and_equals_a_bare_loop(source, edit, tiny_model):
+    import datasets
+
+    out = edit(f"dataset.path={source}", "mesh.tp=1", "output.reference_bytes=true", "dataset.limit=4")
+    before, after = read_rows(source), read_rows(out)
+    assert sorted(after, key=int) == ["0", "1", "2", "3"]
+    for sid, r in after.items():
+        src = before[sid]
+        assert r["prompt"] == src["prompt"] and r["seed"] == src["seed"] == contract_seed(sid)
+        ref = src["image"]["bytes"]
+        [lineage] = r["reference"]
+        assert lineage["sha256"] == hashlib.sha256(ref).hexdigest() and lineage["id"] == sid
+        assert lineage["path"].startswith(str(source / "data" / "shard-00000.parquet"))
+        assert r["reference_image"]["bytes"] == ref
+        expected = bare_edit(tiny_model, [ref], r["prompt"], contract_seed(sid), **FLUX2_KW)
+        assert (pixels(r["image"]["bytes"]) == expected).all(), sid
+        assert (expected != pixels(ref)).any()  # an edit, not a copy
+    ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
+    assert isinstance(ds.features["image"], datasets.Image) and isinstance(
+        ds.features["reference_image"], datasets.Image
+    )
+    assert ds[0]["reference_image"].size == (64, 64)
+    card = (out / "README.md").read_text()
+    assert "name: reference" in card and "image-to-image" in card
+
+
+def test_edit_dp2_equals_dp1_and_tp2_staged_is_within_2_levels(source, edit):
+    one = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4")
+    dp2 = edit(f"dataset.path={source}/data/*.parquet", "mesh.tp=1", "mesh.dp=2", "dataset.limit=4")
+    a, b = read_rows(one), read_rows(dp2)
+    assert {k: r["image"]["bytes"] for k, r in a.items()} == {k: r["image"]["bytes"] for k, r in b.items()}
+    assert max_diff(one, edit(f"dataset.path={source}", "execution.staged=true", "dataset.limit=4")) <= 2
+
+
+def _refs(folder: Path, source: Path) -> list[bytes]:
+    """Two of the source run's images as files in `folder`/refs, and a JSONL that names them relatively."""
+    rows = read_rows(source)
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    for i in range(3):
+        (folder / "refs" / f"{i}.png").write_bytes(rows[str(i)]["image"]["bytes"])
+    lines = [
+        {"id": "a", "prompt": "put them together", "image": ["refs/0.png", "refs/1.png"]},
+        {"id": "b", "prompt": "make it night", "image": "refs/2.png"},
+    ]
+    (folder / "edits.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return [rows[str(i)]["image"]["bytes"] for i in range(3)]
+
+
+def test_two_references_from_relative_paths_and_an_edited_reference_is_stale(source, tiny_model, tmp_path):
+    refs = _refs(tmp_path, source)
+    out = tmp_path / "out"
+    job = [f"model.path={tiny_model}", f"dataset.path={tmp_path}/edits.jsonl", "job=edit", "mesh.tp=1"]
+    job += ["run.shard_size=1", "generate.num_inference_steps=3", f"output.dir={out}", "generate.images_per_prompt=2"]
+    job += ["dataset.id_column=id"]
+    res = launch(*job)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_rows(out)
+    assert sorted(rows) == ["a-0", "a-1", "b-0", "b-1"]
+    a = rows["a-0"]
+    assert [x["path"] for x in a["reference"]] == [str(tmp_path / "refs" / f"{i}.png") for i in (0, 1)]
+    assert [x["sha256"] for x in a["reference"]] == [hashlib.sha256(r).hexdigest() for r in refs[:2]]
+    for k in (0, 1):
+        seed = contract_seed(f"a-{k}")
+        assert (
+            pixels(rows[f"a-{k}"]["image"]["bytes"]) == bare_edit(tiny_model, refs[:2], a["prompt"], seed, **FLUX2_KW)
+        ).all()
+    # Edit the reference of row b: its shard (1) is stale, shard 0 is not.
+    (tmp_path / "refs" / "2.png").write_bytes(refs[0])
+    res = launch(*job)
+    assert res.returncode == 2 and "stale" in res.stderr and "[1]" in res.stderr, res.stderr[-2000:]
+    shard0 = (out / "data" / "shard-00000.parquet").stat().st_mtime_ns
+    res = launch(*job, "run.stale=regenerate")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "data" / "shard-00000.parquet").stat().st_mtime_ns == shard0
+    assert read_rows(out)["b-0"]["reference"][0]["sha256"] == hashlib.sha256(refs[0]).hexdigest()
+
+
+def _png(size=(8, 8)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "refs/none.png does not exist"),
+        ("folder", "cannot be read"),
+        ("not_an_image", "is not an image"),
+        ("too_many", "11 reference images, more than the 10"),
+        ("too_large", "more than the 4.0 this model family takes"),
+        ("no_column", "has no image column 'image'"),
+    ],
+)
+def test_bad_references_exit_2_at_planning_naming_file_and_line(case, expected, tiny_model, tmp_path):
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs" / "ok.png").write_bytes(_png())
+    (tmp_path / "refs" / "text.png").write_text("not a png")
+    (tmp_path / "refs" / "big.png").write_bytes(_png((2049, 2049)))
+    value = {
+        "missing": "refs/none.png",
+        "folder": "refs",
+        "not_an_image": "refs/text.png",
+        "too_many": ["refs/ok.png"] * 11,
+        "too_large": "refs/big.png",
+        "no_column": None,
+    }[case]
+    good = {"prompt": "fine", "image": "refs/ok.png"}
+    bad = {"prompt": "bad"} if value is None else {"prompt": "bad", "image": value}
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    out = tmp_path / "out"
+    res = launch(f"model.path={tiny_model}", f"dataset.path={src}", "job=edit", f"output.dir={out}", "mesh.tp=1")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"{src}, line 2" in res.stderr and expected in res.stderr, res.stderr[-2000:]
+    assert not (out / "data").exists()
+
+
+def test_a_family_that_does_not_edit_exits_2(tiny_family, tmp_path):
+    src = tmp_path / "p.jsonl"
+    (tmp_path / "a.png").write_bytes(_png())
+    src.write_text(json.dumps({"prompt": "x", "image": "a.png"}) + "\n")
+    res = launch(
+        f"model.path={tiny_family('flux1')}", f"dataset.path={src}", "job=edit", f"output.dir={tmp_path / 'o'}"
+    )
+    assert res.returncode == 2 and "does not take reference images" in res.stderr, res.stderr[-2000:]
+
+
+def test_a_reference_gone_after_planning_fails_its_shard_only(source, tiny_model, tmp_path):
+    _refs(tmp_path, source)
+    out = tmp_path / "out"
+    job = [f"model.path={tiny_model}", f"dataset.path={tmp_path}/edits.jsonl", "job=edit", "mesh.tp=1"]
+    job += ["run.shard_size=1", "generate.num_inference_steps=20", f"output.dir={out}"]
+    gone = tmp_path / "refs" / "2.png"
+
+    def remove_once_planned():  # the plan file appears once planning is over, before any worker claims shard 1
+        deadline = time.time() + 120
+        while time.time() < deadline and not list((out / "plans").glob("*.arrow")):
+            time.sleep(0.05)
+        gone.unlink()
+
+    t = threading.Thread(target=remove_once_planned)
+    t.start()
+    res = launch(*job)
+    t.join()
+    assert res.returncode == 3, res.stderr[-2000:]
+    states = [json.loads((out / "state" / f"shard-0000{i}.json").read_text()) for i in (0, 1)]
+    assert states[0]["status"] == "done" and states[1]["status"] == "failed"
+    assert str(gone) in states[1]["error"] and "missing" in states[1]["error"]
+
+
+def test_qwen_image_edit_plus_end_to_end_equals_a_bare_loop_and_tp2(source, edit, tiny_family):
+    model = tiny_family("qwenimage_edit")
+    few = ("dataset.limit=2", "generate.guidance_scale=1.0")
+    out = edit(f"dataset.path={source}", "mesh.tp=1", *few, model=model)
+    before, after = read_rows(source), read_rows(out)
+    assert sorted(after) == ["0", "1"]
+    for sid, r in after.items():
+        ref = before[sid]["image"]["bytes"]
+        expected = bare_edit(model, [ref], r["prompt"], contract_seed(sid), true_cfg_scale=1.0, max_sequence_length=256)
+        assert (pixels(r["image"]["bytes"]) == expected).all(), sid
+    assert max_diff(out, edit(f"dataset.path={source}", *few, model=model)) <= 2
