@@ -45,25 +45,30 @@ def edit(tiny_model, tmp_path_factory):
     return run
 
 
-def bare_edit(model: Path, refs: list[bytes], prompt: str, seed: int, **kw) -> np.ndarray:
-    """What a user writes: pipe(image=[refs], prompt=..., generator=...), one thread, as the workers run."""
+def bare_edit(model: Path, refs: list[bytes], prompt: str, seeds: list[int] | int, **kw) -> np.ndarray:
+    """What a user writes: pipe(image=[refs], prompt=..., generator=...), one thread, as the workers run; one
+    image per seed (several: num_images_per_prompt, one generator each)."""
     import torch
     from diffusers import DiffusionPipeline
 
     torch.set_num_threads(1)
     pipe = _PIPES.get(model) or _PIPES.setdefault(model, DiffusionPipeline.from_pretrained(model))
     images = [Image.open(io.BytesIO(b)).convert("RGB") for b in refs]
+    seeds = [seeds] if isinstance(seeds, int) else seeds
+    if len(seeds) > 1:
+        kw["num_images_per_prompt"] = len(seeds)
     out = pipe(
         image=images,
         prompt=[prompt],
         height=64,
         width=64,
         num_inference_steps=3,
-        generator=[torch.Generator("cpu").manual_seed(seed)],
+        generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
         output_type="np",
         **kw,
-    ).images[0]
-    return (out * 255).round().astype(np.int16)
+    ).images
+    out = (out * 255).round().astype(np.int16)
+    return out[0] if len(seeds) == 1 else out
 
 
 _PIPES: dict = {}
@@ -131,11 +136,9 @@ def test_two_references_from_relative_paths_and_an_edited_reference_is_stale(sou
     a = rows["a-0"]
     assert [x["path"] for x in a["reference"]] == [str(tmp_path / "refs" / f"{i}.png") for i in (0, 1)]
     assert [x["sha256"] for x in a["reference"]] == [hashlib.sha256(r).hexdigest() for r in refs[:2]]
+    expected = bare_edit(tiny_model, refs[:2], a["prompt"], [contract_seed(f"a-{k}") for k in (0, 1)], **FLUX2_KW)
     for k in (0, 1):
-        seed = contract_seed(f"a-{k}")
-        assert (
-            pixels(rows[f"a-{k}"]["image"]["bytes"]) == bare_edit(tiny_model, refs[:2], a["prompt"], seed, **FLUX2_KW)
-        ).all()
+        assert (pixels(rows[f"a-{k}"]["image"]["bytes"]) == expected[k]).all(), k
     # Edit the reference of row b: its shard (1) is stale, shard 0 is not.
     (tmp_path / "refs" / "2.png").write_bytes(refs[0])
     res = launch(*job)

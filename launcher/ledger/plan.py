@@ -51,8 +51,10 @@ def source(cfg, sizes: SizeRule | None = None) -> Source:
     d, edit = cfg.dataset, cfg.get("job", "text_to_image") == "edit"
     images = d.image_column if edit else None
     by_ref = edit and cfg.generate.size_from_reference
-    ids = d.id_column or ("id" if edit and run_folder(d.path) else None)  # an earlier run's rows keep their ids
-    return Source(d.path, d.prompt_column, ids, sizes, cfg.generate.images_per_prompt, images, by_ref)
+    earlier = edit and run_folder(d.path)
+    ids = d.id_column or ("id" if earlier else None)  # an earlier run's rows keep their ids
+    n = cfg.generate.images_per_prompt
+    return Source(d.path, d.prompt_column, ids, sizes, n, images, by_ref, row_settings=not earlier)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:

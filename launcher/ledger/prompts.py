@@ -45,6 +45,9 @@ class Source:
     images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
     image_column: str | None = None  # job=edit: each row's references (launcher/ledger/references.py)
     size_from_reference: bool = False
+    # False for an earlier meshgen run as the source: its seed, size, steps, guidance and negative prompt columns
+    # say how its images were made, not how to edit them, so they override nothing.
+    row_settings: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
     from launcher.ledger.prompts_fast import fast_batches
 
     files, start, ids = source_files(src.path), 0, []
-    refs = None
+    refs, keep = None, src.row_settings
     if src.image_column:
         from launcher.ledger.references import References
 
@@ -89,12 +92,12 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
             for b in fast_batches(f, src, start):
                 done += b.num_rows
                 ids.append(b.column(0)) if src.id_column else None
-                yield refs.attach(b) if refs else b
+                yield _attached(refs, _settings_dropped(b, keep))
         except _GiveUp:
             for b in _batches(_exact_rows(f, src, start), skip=done):
                 ids.append(b.column(0)) if src.id_column else None
                 done += b.num_rows
-                yield refs.attach(b) if refs else b
+                yield _attached(refs, _settings_dropped(b, keep))
         start += done
     if start == 0:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
@@ -104,6 +107,20 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
             from launcher.ledger.shards import check_sample_ids
 
             check_sample_ids((i.as_py() for c in ids for i in c), src.images_per_prompt, f"dataset {src.path}")
+
+
+def _attached(refs, b: pa.RecordBatch) -> pa.RecordBatch:
+    return refs.attach(b) if refs else b
+
+
+def _settings_dropped(b: pa.RecordBatch, keep: bool) -> pa.RecordBatch:
+    if keep:
+        return b
+    cols = [
+        pa.nulls(b.num_rows, f.type) if f.name in OVERRIDE_COLUMNS else c
+        for f, c in zip(b.schema, b.columns, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=b.schema)
 
 
 def read_prompts(
