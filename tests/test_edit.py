@@ -51,6 +51,8 @@ def bare_edit(model: Path, refs: list[bytes], prompt: str, seeds: list[int] | in
     import torch
     from diffusers import DiffusionPipeline
 
+    import launcher.models.qwen_vl_processor  # noqa: F401  the tiny Qwen-Image-Edit-Plus names it in model_index.json
+
     torch.set_num_threads(1)
     pipe = _PIPES.get(model) or _PIPES.setdefault(model, DiffusionPipeline.from_pretrained(model))
     images = [Image.open(io.BytesIO(b)).convert("RGB") for b in refs]
@@ -226,10 +228,10 @@ def test_a_reference_gone_after_planning_fails_its_shard_only(source, tiny_model
 
 def test_qwen_image_edit_plus_end_to_end_equals_a_bare_loop_and_tp2(source, edit, tiny_family):
     model = tiny_family("qwenimage_edit")
-    few = ("dataset.limit=2", "generate.guidance_scale=1.0")
+    few = ("dataset.limit=1", "generate.guidance_scale=1.0")  # its VAE encodes each reference at 1024x1024
     out = edit(f"dataset.path={source}", "mesh.tp=1", *few, model=model)
     before, after = read_rows(source), read_rows(out)
-    assert sorted(after) == ["0", "1"]
+    assert sorted(after) == ["0"]
     for sid, r in after.items():
         ref = before[sid]["image"]["bytes"]
         expected = bare_edit(model, [ref], r["prompt"], contract_seed(sid), true_cfg_scale=1.0, max_sequence_length=256)

@@ -2,7 +2,8 @@
 processor that shows the text encoder the reference images; what the runner knows of it, and its tiny pipeline.
 
 - It edits (`job=edit`): `image=` takes a list; the model card documents 1 to 3 references.
-- One prompt per call (the pipeline refuses more); the edit job calls it so.
+- One prompt per call (the pipeline refuses more); the edit job calls it so. It does not cut prompts at
+  `max_sequence_length`, so no prompt counts as truncated.
 - Guidance, tensor-parallel plans and the prompt template's dropped tokens are Qwen-Image's
   (launcher/models/qwenimage.py). The pipeline resizes each reference to 384x384 pixels' area for the text
   encoder and 1024x1024 for the VAE, whatever the output size.
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 
 from launcher.models import Family
-from launcher.models.qwenimage import _call_kwargs, _token_ids
+from launcher.models.qwenimage import _call_kwargs
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -95,7 +96,7 @@ FAMILY = Family(
     tp_transformer=True,
     repeated_blocks=True,
     uses_cfg=True,
-    token_ids=_token_ids,
+    token_ids=lambda pipe, prompts: None,  # its encode_prompt cuts nothing at max_sequence_length: none truncated
     call_kwargs=_call_kwargs,
     build_tiny=build_tiny,
     tp_text_encoder=True,
