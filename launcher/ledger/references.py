@@ -216,11 +216,9 @@ class References:
 
 
 def fit_size(h: int, w: int, sizes) -> tuple[int, int]:
-    """A reference's size as an output size: within the family's pixel limit, rounded down to the model's factor."""
-    m, limit = (sizes.multiple, sizes.max_pixels) if sizes else (1, 2**62)
-    if h * w > limit:
-        scale = (limit / (h * w)) ** 0.5
-        h, w = int(h * scale), int(w * scale)
+    """A reference's size as an output size, rounded down to the model's factor (a reference over the family's
+    pixel limit was refused already, so the size is within it)."""
+    m = sizes.multiple if sizes else 1
     return max(m, h // m * m), max(m, w // m * m)
 
 
