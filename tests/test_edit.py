@@ -51,7 +51,7 @@ def bare_edit(model: Path, refs: list[bytes], prompt: str, seeds: list[int] | in
     import torch
     from diffusers import DiffusionPipeline
 
-    import launcher.models.qwen_vl_processor  # noqa: F401  the tiny Qwen-Image-Edit-Plus names it in model_index.json
+    import launcher.models._qwen_vl_processor  # noqa: F401  the tiny Qwen-Image-Edit-Plus names it in model_index.json
 
     torch.set_num_threads(1)
     pipe = _PIPES.get(model) or _PIPES.setdefault(model, DiffusionPipeline.from_pretrained(model))

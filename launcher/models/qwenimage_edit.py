@@ -29,7 +29,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     from launcher.models._tiny import QWEN_SPECIAL, qwen_tokenizer, save_atomically
-    from launcher.models.qwen_vl_processor import ImageOnlyQwenVLProcessor
+    from launcher.models._qwen_vl_processor import ImageOnlyQwenVLProcessor
 
     tokenizer = qwen_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:] + VISION_TOKENS})
