@@ -32,16 +32,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def photo_png(size: int, seed: int) -> bytes:
+    """A photo-like PNG (smooth gradients and noise), different for each seed: one noise field, rolled."""
     import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size] / size
-    base = np.stack([np.sin(6 * x + seed) * 80 + 128, np.cos(5 * y) * 80 + 128, (x + y) * 60 + 60], -1)
-    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype("uint8")
+    base = _BASE.get(size)
+    if base is None:
+        rng = np.random.default_rng(0)
+        y, x = np.mgrid[0:size, 0:size] / size
+        grad = np.stack([np.sin(6 * x) * 80 + 128, np.cos(5 * y) * 80 + 128, (x + y) * 60 + 60], -1)
+        base = _BASE[size] = np.clip(grad + rng.normal(0, 12, grad.shape), 0, 255).astype("uint8")
     buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    Image.fromarray(np.roll(base, seed * 7, axis=(0, 1))).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
+
+
+_BASE: dict = {}
 
 
 def write_source(path: Path, rows: int, size: int, distinct: bool) -> int:
