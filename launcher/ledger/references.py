@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import posixpath
 from collections.abc import Iterator
 
@@ -42,11 +43,12 @@ def _base_dir(f: str) -> str:
 
 
 def resolve(path: str, base: str) -> str:
-    if "://" in path or path.startswith("/"):
+    """A reference's location: a URL as is; a local path made absolute (lineage and workers need no cwd)."""
+    if "://" in path:
         return path
     if "://" in base:
         return base + "/" + path
-    return posixpath.normpath(posixpath.join(base, path)) if base != "." else posixpath.normpath(path)
+    return os.path.abspath(posixpath.join(base, path))
 
 
 def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
