@@ -257,3 +257,19 @@ def test_qwen_image_edit_plus_end_to_end_equals_a_bare_loop(source, edit, tiny_f
         ref = before[sid]["image"]["bytes"]
         expected = bare_edit(model, [ref], r["prompt"], contract_seed(sid), true_cfg_scale=1.0, max_sequence_length=256)
         assert (pixels(r["image"]["bytes"]) == expected).all(), sid
+
+
+def test_the_edit_bench_runs_at_tiny_sizes(tmp_path, monkeypatch):
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from tools.bench import edit as bench
+
+    out = tmp_path / "edit.json"
+    bench.main(
+        ["--rows", "40", "--distinct", "4", "--size", "64", "--gen-rows", "2", "--gen-size", "64", "--out", str(out)]
+    )
+    result = json.loads(out.read_text())
+    assert result["generate"]["same"] is True and result["generate"]["ratio"] > 0
+    for part, rows in (("plan_distinct", 4), ("plan_repeated", 40)):
+        assert result[part]["rows"] == rows and result[part]["peak_rss_mb_edit"] > 0
