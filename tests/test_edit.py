@@ -132,6 +132,21 @@ def test_edit_dp2_equals_dp1_and_tp2_staged_is_within_2_levels(source, edit):
     assert max_diff(one, edit(f"dataset.path={source}", "execution.staged=true", "dataset.limit=4")) <= 2
 
 
+def test_edit_compiled_with_static_shapes_writes_webdataset(source, edit):
+    import tarfile
+
+    eager = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4")
+    ov = ("execution.mode=compile", "testing.compile_backend=aot_eager", "output.webdataset=true")
+    out = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4", *ov)
+    assert max_diff(eager, out) <= 2
+    states = [json.loads((out / "state" / f"shard-0000{i}.json").read_text()) for i in (0, 1)]
+    # One shape (64x64, one row a call, references resized to it): compiled in the first shard, reused after.
+    assert states[0]["compiles"] >= 1 and states[1]["compiles"] == 0
+    with tarfile.open(out / "webdataset" / "shard-00001.tar") as tar:
+        meta = json.load(tar.extractfile("2.json"))
+    assert meta["reference"][0]["sha256"] == hashlib.sha256(read_rows(source)["2"]["image"]["bytes"]).hexdigest()
+
+
 def _refs(folder: Path, source: Path) -> list[bytes]:
     """Two of the source run's images as files in `folder`/refs, and a JSONL that names them relatively."""
     rows = read_rows(source)
