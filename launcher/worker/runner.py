@@ -197,7 +197,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     except Exception as e:
         batches, local = [], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     error = _agree(groups, local)
-    steps = shard_steps(w.pipe, batches, cfg, job)
+    steps = shard_steps(w.pipe, [] if error else batches, cfg, job)  # every tp rank skips the shard together
     for batch, step in steps:
         local = mark = None
         try:
