@@ -68,11 +68,7 @@ def shard_batches(rows, cfg) -> list[EditBatch]:
         refs = load_references(b.rows[0])
         out.append(
             EditBatch(
-                b.rows,
-                b.n_real,
-                b.shape,
-                b.seeds,
-                b.images_per_prompt,
+                **vars(b),  # whatever text-to-image's batches carry (sweeps add theirs)
                 lineage=[lin for lin, _ in refs],
                 data=[d for _, d in refs],
                 keep_bytes=bool(cfg.output.reference_bytes),
