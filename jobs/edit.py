@@ -53,16 +53,10 @@ class EditBatch(Batch):
 
 def shard_batches(rows, cfg) -> list[EditBatch]:
     """One call per row, its references read now (a missing one raises, naming its path: the shard fails)."""
-    g = cfg.generate
-    one = SimpleNamespace(
-        height=g.height,
-        width=g.width,
-        num_inference_steps=g.num_inference_steps,
-        guidance_scale=g.guidance_scale,
-        seed=g.seed,
-        batch_size=1,
-        images_per_prompt=g.images_per_prompt,
-    )
+    from omegaconf import OmegaConf
+
+    # The generation settings as they are (sweeps add keys), with one row a call.
+    one = SimpleNamespace(**{**OmegaConf.to_container(cfg.generate, resolve=True), "batch_size": 1})
     out = []
     for b in make_batches(rows, one):
         refs = load_references(b.rows[0])
