@@ -194,38 +194,45 @@ def _png(size=(8, 8)) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("missing", "refs/none.png does not exist"),
-        ("folder", "cannot be read"),
-        ("not_an_image", "is not an image"),
-        ("too_many", "11 reference images, more than the 10"),
-        ("too_large", "more than the 4.0 this model family takes"),
-        ("no_column", "has no image column 'image'"),
-    ],
-)
-def test_bad_references_exit_2_at_planning_naming_file_and_line(case, expected, tiny_model, tmp_path):
-    (tmp_path / "refs").mkdir()
+BAD = {  # case: (the row's image value, what the one-line error says)
+    "missing": ("refs/none.png", "refs/none.png does not exist"),
+    "folder": ("refs", "cannot be read"),
+    "not_an_image": ("refs/text.png", "is not an image"),
+    "too_many": (["refs/ok.png"] * 11, "11 reference images, more than the 10"),
+    "too_large": ("refs/big.png", "more than the 4.0 this model family takes"),
+    "no_column": (None, "has no image column 'image'"),
+}
+
+
+def _bad_source(tmp_path: Path, case: str) -> Path:
+    (tmp_path / "refs").mkdir(exist_ok=True)
     (tmp_path / "refs" / "ok.png").write_bytes(_png())
     (tmp_path / "refs" / "text.png").write_text("not a png")
     (tmp_path / "refs" / "big.png").write_bytes(_png((2049, 2049)))
-    value = {
-        "missing": "refs/none.png",
-        "folder": "refs",
-        "not_an_image": "refs/text.png",
-        "too_many": ["refs/ok.png"] * 11,
-        "too_large": "refs/big.png",
-        "no_column": None,
-    }[case]
-    good = {"prompt": "fine", "image": "refs/ok.png"}
+    value = BAD[case][0]
     bad = {"prompt": "bad"} if value is None else {"prompt": "bad", "image": value}
     src = tmp_path / "p.jsonl"
-    src.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    out = tmp_path / "out"
+    src.write_text(json.dumps({"prompt": "fine", "image": "refs/ok.png"}) + "\n" + json.dumps(bad) + "\n")
+    return src
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_references_are_refused_at_planning_naming_file_and_line(case, tmp_path):
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts import SizeRule, Source, read_batches
+
+    src = _bad_source(tmp_path, case)
+    rule = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)  # FLUX.2's: 4 megapixels, 10 references
+    with pytest.raises(ConfigError) as e:
+        list(read_batches(Source(str(src), image_column="image", sizes=rule)))
+    assert f"{src}, line 2" in str(e.value) and BAD[case][1] in str(e.value), str(e.value)
+
+
+def test_a_bad_reference_exits_2_and_writes_nothing(tiny_model, tmp_path):
+    src, out = _bad_source(tmp_path, "too_many"), tmp_path / "out"
     res = launch(f"model.path={tiny_model}", f"dataset.path={src}", "job=edit", f"output.dir={out}", "mesh.tp=1")
     assert res.returncode == 2, res.stderr[-2000:]
-    assert f"{src}, line 2" in res.stderr and expected in res.stderr, res.stderr[-2000:]
+    assert f"{src}, line 2" in res.stderr and BAD["too_many"][1] in res.stderr, res.stderr[-2000:]
     assert not (out / "data").exists()
 
 
