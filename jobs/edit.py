@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from jobs import text_to_image
 from jobs.text_to_image import Batch, cache_context, count_truncated, make_batches
-from launcher.ledger.references import load_references
+from launcher.ledger.reference_reads import load_references
 
 logger = logging.getLogger(__name__)
 __all__ = ["EditBatch", "count_truncated", "pipeline_kwargs", "run_batch", "shard_batches"]

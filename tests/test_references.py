@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from launcher.ledger.prompts import SizeRule, Source, read_batches
-from launcher.ledger.references import load_references
+from launcher.ledger.reference_reads import load_references
 from launcher.ledger.shards import prompts_fingerprint
 
 RULE = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)
