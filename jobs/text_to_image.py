@@ -76,6 +76,11 @@ def make_batches(rows, gen) -> list[Batch]:
     return out
 
 
+def shard_batches(rows, cfg) -> list[Batch]:
+    """The job's entry: a shard's rows as the batches of its pipeline calls."""
+    return make_batches(rows, cfg.generate)
+
+
 @functools.cache
 def _accepted(pipeline_class) -> frozenset[str]:
     return frozenset(inspect.signature(pipeline_class.__call__).parameters)

@@ -55,6 +55,7 @@ class DatasetConfig:
     prompt_column: str = "prompt"
     id_column: str | None = None
     limit: int | None = None
+    image_column: str = "image"  # job=edit: each row's reference image(s) (launcher/ledger/references.py)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class GenerateConfig:
     batch_size: int = 1  # prompts per pipeline call: a call denoises batch_size * images_per_prompt images
     seed: int = 0
     images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
+    size_from_reference: bool = False  # job=edit: the first reference's size, rounded to the model's factor
 
 
 @dataclass
@@ -88,6 +90,7 @@ class OutputConfig:
     image_files: bool = True  # images/shard-NNNNN/<id>.<ext>
     png: bool | None = None  # the old name of image_files: still works, with a notice (load_config maps it)
     parquet: bool = True
+    reference_bytes: bool = False  # job=edit: also keep the first reference's bytes (column reference_image)
     webdataset: bool = False  # also webdataset/shard-NNNNN.tar with <id>.<ext> and <id>.json per sample
     row_group_size: int = 64  # Parquet rows per row group: loaders read a shard one group at a time
     png_encoder: str = "imagecodecs"  # imagecodecs (libpng) | pil
@@ -130,6 +133,7 @@ class TestingConfig:
 class JobConfig:
     name: str = MISSING  # the conf file's name, set by load_config
     device: str = "auto"  # auto | tpu | cuda | cpu
+    job: str = "text_to_image"  # text_to_image | edit (jobs/<job>.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)

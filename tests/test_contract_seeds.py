@@ -121,6 +121,9 @@ COVERED = {
     "output.format": "jpeg",
     "output.quality": "90",
     "output.lossless": "true",
+    "job": "edit",
+    "generate.size_from_reference": "true",
+    "output.reference_bytes": "true",
 }
 # Every key it leaves out ("how the work is run"), each with a value the tiny conf does not have.
 LEFT_OUT = {
@@ -166,10 +169,10 @@ LEFT_OUT = {
     "testing.fail_shards": "[1]",
     "testing.compile_backend": "aot_eager",
     "testing.hold_after_ledger_read": "/tmp/never",
+    "dataset.image_column": "picture",  # the references' content hashes are in each shard's prompt fingerprint
 }
-# Keys that other issues add: the contract says loras and sweep are fingerprinted; the lead classifies `job` and
-# `dataset.image_column` (the references' hashes are per row) when they land.
-COMING = {"model.loras", "generate.sweep", "job", "dataset.image_column"}
+# Keys that other issues add: the contract says loras and sweep are fingerprinted.
+COMING = {"model.loras", "generate.sweep"}
 
 
 def _cfg(*overrides: str):

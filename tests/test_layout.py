@@ -43,3 +43,14 @@ def test_every_family_module_declares_its_family():
     )
     assert sorted(FAMILY_MODULES) == on_disk
     assert all(f.pipelines for f in families())
+
+
+def test_jobs_import_nothing_of_the_worker_or_the_launcher():
+    jobs = LAUNCHER.parent / "jobs"
+    bad = [
+        f"{p.name} imports {m}"
+        for p in sorted(jobs.glob("*.py"))
+        for m in sorted(_imports(p))
+        if m.startswith(("launcher.worker", "launcher.host"))
+    ]
+    assert not bad, bad

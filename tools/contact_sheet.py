@@ -1,5 +1,6 @@
 """A grid of a run's first samples, each captioned with its prompt:
 `python tools/contact_sheet.py OUTPUT_DIR [--n N] [--cols C] [--out PATH]` (default OUTPUT_DIR/contact_sheet.png).
+An edit run (job=edit) shows before | after pairs: its first reference beside each image.
 
 Reads only the run folder: the state files say which shards are done, their Parquet files hold the images and
 prompts (a shard written with output.parquet=false falls back to its PNG files, captioned with the ids).
@@ -31,8 +32,9 @@ CELL_H = THUMB + 2 * PAD + CAPTION_LINES * LINE_H
 BACKGROUND = (255, 255, 255)
 
 
-def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
-    """(caption, image bytes) of the first n samples of the done shards, in shard and row order.
+def first_samples(run: Store, n: int) -> list[tuple]:
+    """(caption, image bytes), or for an edit run (caption, image bytes, first reference's bytes), of the first n
+    samples of the done shards, in shard and row order.
 
     That is id order for the default ids (row numbers), and it lets us stop reading as soon as we have n,
     which matters when a shard's Parquet file holds hundreds of megapixel images.
@@ -40,7 +42,9 @@ def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
     found: list[tuple[str, bytes]] = []
     parquet = {i.base_name for i in run.files(DATA_DIR, ".parquet")}
     summary = summarize(run)
-    ext = "." + EXTENSIONS[summary["meta"]["config"]["output"].get("format", "png")]
+    config = summary["meta"]["config"]
+    ext = "." + EXTENSIONS[config["output"].get("format", "png")]
+    edit = config.get("job") == "edit"
     for shard in summary["shards"]:
         if len(found) >= n:
             break
@@ -49,8 +53,11 @@ def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
         name = shard_name(shard["index"])
         if f"{name}.parquet" in parquet:
             pf = run.parquet(f"{DATA_DIR}/{name}.parquet")
-            for batch in pf.iter_batches(batch_size=max(n - len(found), 1), columns=["prompt", "image"]):
-                found += [(r["prompt"], r["image"]["bytes"]) for r in batch.to_pylist()]
+            columns = ["prompt", "image"] + (["reference"] if edit else [])
+            columns += ["reference_image"] if edit and "reference_image" in pf.schema_arrow.names else []
+            for batch in pf.iter_batches(batch_size=max(n - len(found), 1), columns=columns):
+                rows = batch.to_pylist()
+                found += [(r["prompt"], r["image"]["bytes"], *_before(r, config)) for r in rows]
                 if len(found) >= n:
                     break
         else:
@@ -58,6 +65,27 @@ def first_samples(run: Store, n: int) -> list[tuple[str, bytes]]:
                 image = run.read_bytes(f"{IMAGES_DIR}/{name}/{info.base_name}")
                 found.append((f"id {info.base_name.removesuffix(ext)}", image))
     return found[:n]
+
+
+def _before(row: dict, config: dict) -> tuple:
+    """An edit sample's first reference: kept in the row (output.reference_bytes), else read from its lineage."""
+    if "reference" not in row:
+        return ()
+    if row.get("reference_image"):
+        return (row["reference_image"]["bytes"],)
+    from launcher.ledger.reference_reads import read_lineage
+
+    return (read_lineage(row["reference"][0]["path"], config["dataset"].get("image_column", "image")),)
+
+
+def pair(before: bytes, after: bytes) -> Image.Image:
+    """before | after, side by side at the after image's height."""
+    b, a = (Image.open(io.BytesIO(x)).convert("RGB") for x in (before, after))
+    b = b.resize((max(1, round(b.width * a.height / b.height)), a.height), Image.Resampling.LANCZOS)
+    out = Image.new("RGB", (b.width + a.width, a.height), BACKGROUND)
+    out.paste(b, (0, 0))
+    out.paste(a, (b.width, 0))
+    return out
 
 
 def wrap(text: str, font: ImageFont.ImageFont, width: int, lines: int) -> list[str]:
@@ -87,8 +115,8 @@ def wrap(text: str, font: ImageFont.ImageFont, width: int, lines: int) -> list[s
     return out
 
 
-def cell_origin(i: int, cols: int) -> tuple[int, int]:
-    return (i % cols) * CELL_W, (i // cols) * CELL_H
+def cell_origin(i: int, cols: int, thumb_w: int = THUMB) -> tuple[int, int]:
+    return (i % cols) * (thumb_w + 2 * PAD), (i // cols) * CELL_H
 
 
 def contact_sheet(out: str | Path, n: int = 16, cols: int = 4) -> Image.Image:
@@ -97,18 +125,19 @@ def contact_sheet(out: str | Path, n: int = 16, cols: int = 4) -> Image.Image:
     if not samples:
         raise ValueError(f"{out} has no done shards with images yet")
     cols = max(1, min(cols, len(samples)))
-    sheet = Image.new("RGB", (cols * CELL_W, math.ceil(len(samples) / cols) * CELL_H), BACKGROUND)
+    thumb_w = THUMB * (2 if len(samples[0]) == 3 else 1)  # an edit run's cells hold before | after
+    sheet = Image.new("RGB", (cols * (thumb_w + 2 * PAD), math.ceil(len(samples) / cols) * CELL_H), BACKGROUND)
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default(size=FONT_SIZE)
-    for i, (caption, png) in enumerate(samples):
-        image = Image.open(io.BytesIO(png)).convert("RGB")
-        scale = THUMB / max(image.size)
+    for i, (caption, png, *before) in enumerate(samples):
+        image = pair(before[0], png) if before else Image.open(io.BytesIO(png)).convert("RGB")
+        scale = min(thumb_w / image.width, THUMB / image.height)
         # Nearest when enlarging keeps small images' pixels crisp (and exact); Lanczos when shrinking.
         resample = Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS
         thumb = image.resize((round(image.width * scale), round(image.height * scale)), resample)
-        x, y = cell_origin(i, cols)
-        sheet.paste(thumb, (x + PAD + (THUMB - thumb.width) // 2, y + PAD + (THUMB - thumb.height) // 2))
-        for k, line in enumerate(wrap(caption, font, THUMB, CAPTION_LINES)):
+        x, y = cell_origin(i, cols, thumb_w)
+        sheet.paste(thumb, (x + PAD + (thumb_w - thumb.width) // 2, y + PAD + (THUMB - thumb.height) // 2))
+        for k, line in enumerate(wrap(caption, font, thumb_w, CAPTION_LINES)):
             draw.text((x + PAD, y + THUMB + PAD + PAD // 2 + k * LINE_H), line, fill=(20, 20, 20), font=font)
     return sheet
 

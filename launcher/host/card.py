@@ -127,7 +127,13 @@ def hf_features(run: Store, first_file: str) -> list[dict]:
         features = json.loads(raw[b"huggingface"])["info"]["features"]
     else:  # a file written without the metadata: the writer's own declaration
         from launcher.worker.writer import _HF_FEATURES as features
-    return [{"name": k, "dtype": f.get("dtype", f["_type"].lower())} for k, f in features.items()]
+    return [_feature(k, f) for k, f in features.items()]
+
+
+def _feature(name: str, f) -> dict:
+    if isinstance(f, list):  # a list of structs (job=edit's `reference` lineage)
+        return {"name": name, "list": [_feature(k, v) for k, v in f[0].items()]}
+    return {"name": name, "dtype": f.get("dtype", f["_type"].lower())}
 
 
 # License ids the Hub knows that a model's license note may spell as is; anything else becomes `other`.
@@ -146,7 +152,8 @@ def hub_license(note: str) -> dict:
 
 def front_matter(run: Store, summary: dict) -> dict:
     model = summary["meta"]["config"]["model"]
-    front = {**hub_license(model.get("license", "")), "task_categories": ["text-to-image"], "tags": ["synthetic"]}
+    task = "image-to-image" if summary["meta"]["config"].get("job") == "edit" else "text-to-image"
+    front = {**hub_license(model.get("license", "")), "task_categories": [task], "tags": ["synthetic"]}
     named, files, size = data_files(run, summary)
     if files:  # none yet (or output.parquet=false): the card goes without configs, and still renders
         front["size_categories"] = [size_category(size["rows"])]

@@ -62,6 +62,7 @@ def check_settings(cfg) -> None:
         "device": (cfg.device, ("auto", "tpu", "cuda", "cpu")),
         "run.on_error": (r.on_error, ("continue", "abort")),
         "run.stale": (r.stale, ("error", "regenerate", "keep")),
+        "job": (cfg.job, ("text_to_image", "edit")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

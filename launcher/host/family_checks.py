@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from launcher.models import Family, builders, default_dir
+from launcher.models import Family, builders, default_dir, families
 
 
 def tiny_family(cfg) -> Family:
@@ -32,6 +32,12 @@ def tiny_family(cfg) -> Family:
 def check_family(cfg, fam: Family, what: str) -> None:
     """`what` names the model in messages (its pipeline class)."""
     ex, tp = cfg.execution, cfg.mesh.tp
+    if cfg.job == "edit" and not fam.max_references:
+        editors = ", ".join(f.name for f in families() if f.max_references)
+        raise ConfigError(
+            f"job=edit: {what} does not take reference images (family {fam.name}); use a model that edits "
+            f"(families: {editors}) or job=text_to_image"
+        )
     if ex.mode == "compile" and ex.offload == "model" and not fam.repeated_blocks:
         raise ConfigError(
             f"execution.mode=compile with execution.offload=model compiles the transformer's repeated blocks, "

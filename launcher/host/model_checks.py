@@ -99,7 +99,8 @@ def size_rule(cfg):
 
     root = model_dir(cfg.model.path)
     fam = family_of_folder(root)
-    return SizeRule(size_multiple(root) or 1, fam.max_pixels, cfg.generate.height, cfg.generate.width)
+    h, w = cfg.generate.height, cfg.generate.width
+    return SizeRule(size_multiple(root) or 1, fam.max_pixels, h, w, fam.max_references)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")

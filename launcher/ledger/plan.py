@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches
+from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches, run_folder
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
 from launcher.ledger.states import select_shards, state_token
 from launcher.ledger.store import Store
@@ -49,8 +49,13 @@ class Plan:
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    d = cfg.dataset
-    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt)
+    d, edit = cfg.dataset, cfg.get("job", "text_to_image") == "edit"
+    images = d.image_column if edit else None
+    by_ref = edit and cfg.generate.size_from_reference
+    earlier = edit and run_folder(d.path)
+    ids = d.id_column or ("id" if earlier else None)  # an earlier run's rows keep their ids
+    n = cfg.generate.images_per_prompt
+    return Source(d.path, d.prompt_column, ids, sizes, n, images, by_ref, row_settings=not earlier)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -126,10 +131,12 @@ def plan_rel(run_id: str) -> str:
 def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | None = None) -> None:
     """Pass 2: the selected shards' rows, one record batch each, written whole or not at all."""
     from launcher.ledger.prompts import SCHEMA
+    from launcher.ledger.references import REF_FIELDS
 
     wanted = set(plan.selected)
     meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in sorted(wanted)]}
-    schema = SCHEMA.with_metadata({"meshgen_plan": json.dumps(meta)})
+    schema = SCHEMA if source(cfg).image_column is None else pa.schema([*SCHEMA, *REF_FIELDS])
+    schema = schema.with_metadata({"meshgen_plan": json.dumps(meta)})
     last = max(wanted)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
         for i, table, _ in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):

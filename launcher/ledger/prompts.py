@@ -44,6 +44,11 @@ class Source:
     id_column: str | None = None
     sizes: SizeRule | None = None
     images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
+    image_column: str | None = None  # job=edit: each row's references (launcher/ledger/references.py)
+    size_from_reference: bool = False
+    # False for an earlier meshgen run as the source: its seed, size, steps, guidance and negative prompt columns
+    # say how its images were made, not how to edit them, so they override nothing.
+    row_settings: bool = True
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class SizeRule:
     max_pixels: int  # what the family allows
     height: int  # the config's, for rows that set only one of the two
     width: int
+    max_references: int = 0  # job=edit: references a row may give (the family's), checked at planning
 
     def problem(self, h: int, w: int) -> str | None:
         for key, v in (("height", h), ("width", w)):
@@ -76,19 +82,24 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
     from launcher.ledger.prompts_fast import fast_batches
 
     files, start, ids = source_files(src.path), 0, []
+    refs, keep = None, src.row_settings
+    if src.image_column:
+        from launcher.ledger.references import References
+
+        refs = References(src, files)
     for f in files:
         done = 0
         try:
             for b in fast_batches(f, src, start):
                 done += b.num_rows
                 ids.append(b.column(0)) if src.id_column else None
-                yield b
+                yield _attached(refs, _settings_dropped(b, keep))
         except _GiveUp:
             try:
                 for b in _batches(_exact_rows(f, src, start), skip=done):
                     ids.append(b.column(0)) if src.id_column else None
                     done += b.num_rows
-                    yield b
+                    yield _attached(refs, _settings_dropped(b, keep))
             except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
                 raise ConfigError(unreadable(f, e)) from None
         start += done
@@ -100,6 +111,20 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
             from launcher.ledger.shards import check_sample_ids
 
             check_sample_ids((i.as_py() for c in ids for i in c), src.images_per_prompt, f"dataset {src.path}")
+
+
+def _attached(refs, b: pa.RecordBatch) -> pa.RecordBatch:
+    return refs.attach(b) if refs else b
+
+
+def _settings_dropped(b: pa.RecordBatch, keep: bool) -> pa.RecordBatch:
+    if keep:
+        return b
+    cols = [
+        pa.nulls(b.num_rows, f.type) if f.name in OVERRIDE_COLUMNS else c
+        for f, c in zip(b.schema, b.columns, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=b.schema)
 
 
 def read_prompts(
@@ -201,8 +226,19 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), path
 
 
+def run_folder(path: str) -> bool:
+    """Whether `path` is an earlier meshgen run's output folder, or its `data/*.parquet`."""
+    folder = path.rstrip("/").removesuffix("/data/*.parquet")
+    fs, p = filesystem(folder)
+    try:
+        return fs.get_file_info(f"{p}/run.json").type == pafs.FileType.File
+    except (OSError, ValueError):
+        return False
+
+
 def source_files(path: str) -> list[str]:
-    """The files of `dataset.path` (a file, a glob, a save_to_disk folder), checked, in order."""
+    """The files of `dataset.path` (a file, a glob, a save_to_disk folder, a meshgen output folder), checked, in
+    order."""
     try:
         return _source_files(path)
     except (OSError, pa.ArrowException) as e:  # a store that does not answer, an address pyarrow cannot parse
@@ -222,6 +258,8 @@ def unreadable(f: str, e: Exception) -> str:
 def _source_files(path: str) -> list[str]:
     from launcher.ledger.globs import expand, has_magic
 
+    if run_folder(path) and not path.endswith(".parquet"):
+        path = path.rstrip("/") + "/data/*.parquet"  # an earlier meshgen run: its Parquet shards, in shard order
     fs, p = filesystem(path)
     if has_magic(p):
         matches = expand(path, fs, p)  # Python's glob semantics: * within a folder, ** only where written

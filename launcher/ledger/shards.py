@@ -24,10 +24,16 @@ FINGERPRINT_KEYS = {
         "max_sequence_length",
         "seed",
         "images_per_prompt",
+        "size_from_reference",
     ),
     "run": ("shard_size",),
     "execution": ("cache", "cache_options"),  # step caching changes the images; the other execution keys do not
-    "output": ("format", "quality", "lossless"),  # how the images are stored: a dataset is not a mix of formats
+    "output": (
+        "format",
+        "quality",
+        "lossless",
+        "reference_bytes",
+    ),  # how the images are stored: a dataset is not a mix of formats
 }
 # Keys added after runs were made: at these values they are left out of the settings, so that the folders of
 # older runs keep their fingerprints (a resume with the defaults is no change).
@@ -38,6 +44,8 @@ LATER_DEFAULTS = {
     ("output", "format"): "png",
     ("output", "quality"): 95,
     ("output", "lossless"): False,
+    ("generate", "size_from_reference"): False,
+    ("output", "reference_bytes"): False,
 }
 
 
@@ -63,6 +71,7 @@ def file_stem(sample_id: str) -> str:
 
 
 FINGERPRINT_PREFIX = "v2-"
+UNHASHED = frozenset({"ref_loc"})  # where a reference is read from (its content hash is fingerprinted)
 
 
 def prompts_fingerprint(table) -> str:
@@ -80,7 +89,7 @@ def prompts_fingerprint(table) -> str:
     for name, col in zip(table.schema.names, table.columns, strict=True):
         col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         nulls, n = col.null_count, len(col)
-        if nulls == n:
+        if nulls == n or name in UNHASHED:
             continue
         h.update(name.encode() + b"\0")
         if nulls:
@@ -119,6 +128,8 @@ def same_prompts(fingerprint: str | None, table, known: str | None = None) -> bo
 def settings(cfg) -> dict:
     """The settings that determine the images, as a plain dict (the part of run.json that is fingerprinted)."""
     out = {}
+    if cfg.get("job", "text_to_image") != "text_to_image":  # left out for text-to-image: older runs keep theirs
+        out["job"] = {"name": cfg.job}
     for group, keys in FINGERPRINT_KEYS.items():
         values = {k: _plain(cfg[group][k]) for k in keys}
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
@@ -133,7 +144,8 @@ def settings_diff(old: dict, new: dict) -> list[str]:
     def get(s: dict, g: str, k: str):
         return s.get(g, {}).get(k, LATER_DEFAULTS.get((g, k)))
 
-    return [
+    jobs = [old.get("job", {}).get("name", "text_to_image"), new.get("job", {}).get("name", "text_to_image")]
+    return [f"job: {jobs[0]!r} -> {jobs[1]!r}"] * (jobs[0] != jobs[1]) + [
         f"{g}.{k}: {get(old, g, k)!r} -> {get(new, g, k)!r}"
         for g, keys in FINGERPRINT_KEYS.items()
         for k in keys

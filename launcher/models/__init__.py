@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILY_MODULES = ("flux2", "flux1", "sd3", "qwenimage", "flux2_klein")  # launcher/models/<name>.py, each defining FAMILY
+FAMILY_MODULES = ("flux2", "flux1", "sd3", "qwenimage", "flux2_klein", "qwenimage_edit")  # launcher/models/<name>.py, each defining FAMILY
 
 
 def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:
@@ -48,6 +48,9 @@ class Family:
     # What a job may ask of it, checked at preflight (issue 15):
     tp_text_encoder: bool = False  # transformers has a tensor-parallel plan for its (first) text encoder
     max_pixels: int = 4 * 1024 * 1024  # the largest height x width a row may ask for
+    # job=edit: how many reference images its pipeline's `image=` takes per call (0: it does not edit), and the
+    # pipeline classes that edit where they differ from the text-to-image ones (model_index.json names one).
+    max_references: int = 0
     # packages beyond the base dependencies that its real checkpoint needs to load (in the cuda and tpu extras)
     requires: tuple[str, ...] = ()
 

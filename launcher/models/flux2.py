@@ -170,5 +170,6 @@ FAMILY = Family(
     decode_latents=_decode_latents,
     encode=_encode,
     tp_text_encoder=True,
+    max_references=10,  # `image=` takes a list; BFL documents up to 10 references for FLUX.2 [dev]
     requires=("torchvision",),  # its tokenizer is a PixtralProcessor (transformers 5.23)
 )

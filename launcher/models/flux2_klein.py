@@ -96,4 +96,5 @@ FAMILY = Family(
     call_kwargs=_call_kwargs,
     build_tiny=build_tiny,
     tp_text_encoder=True,
+    max_references=4,  # Flux2KleinPipeline takes `image=` (a list) as FLUX.2 does; BFL documents up to 4
 )

@@ -104,6 +104,9 @@ def load_pipeline(cfg, device: torch.device, mesh):
             distributed_config=DistributedConfig(tp_size=tp, dp_replicate_size=dp),
         )
         logger.info("text encoder sharded over tp=%d", tp)
+    for lib, _ in component_classes(path).values():  # our own components (a tiny model's processor) by name
+        if lib.startswith("launcher.models."):
+            importlib.import_module(lib)
     pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
     place(pipe, cfg, device)
     if parts:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from jobs.staged import shard_steps
-from jobs.text_to_image import count_truncated, make_batches
+from jobs import job_of
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.ledger import states as ledger
 from launcher.ledger.claims import Claims
@@ -30,6 +29,7 @@ from launcher.worker.cache import apply_cache, digest
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.worker.execution import CompileStats, apply_compile, cache_hits
 from launcher.worker.pipeline import load_pipeline
+from launcher.worker.staged import shard_steps
 from launcher.worker.timing import StageTimer
 from launcher.workers import resolve_workers
 
@@ -191,8 +191,13 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         ledger.clean_tmp(w.store, shard.index)
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
-    samples, error = [], None
-    steps = shard_steps(w.pipe, make_batches(shard.rows, cfg.generate), cfg)
+    samples, error, job = [], None, job_of(cfg.job)
+    try:  # an edit job reads the shard's references here: one gone since planning fails this shard only
+        batches, local = job.shard_batches(shard.rows, cfg), None
+    except Exception as e:
+        batches, local = [], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    error = _agree(groups, local)
+    steps = shard_steps(w.pipe, [] if error else batches, cfg, job)  # every tp rank skips the shard together
     for batch, step in steps:
         local = mark = None
         try:
@@ -213,7 +218,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         return error is None
     # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
     prompts = [r["prompt"] for r in shard.rows]
-    truncated = None if error else count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
+    truncated = None if error else job.count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
     n = cfg.generate.images_per_prompt
     ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n)]
     state = {

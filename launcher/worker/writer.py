@@ -50,8 +50,29 @@ SCHEMA_N = SCHEMA.insert(1, pa.field("prompt_id", pa.string())).with_metadata(
 )
 
 
+# job=edit: each sample's references (lineage), and with output.reference_bytes the first one's image, which
+# `datasets` loads as a second Image column.
+REFERENCE = pa.list_(pa.struct([("id", pa.string()), ("path", pa.string()), ("sha256", pa.string())]))
+_HF_REFERENCE = [
+    {
+        "id": {"dtype": "string", "_type": "Value"},
+        "path": {"dtype": "string", "_type": "Value"},
+        "sha256": {"dtype": "string", "_type": "Value"},
+    }
+]
+
+
 def schema_of(samples: list[dict]) -> pa.Schema:
-    return SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
+    schema = SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
+    if not samples or "reference" not in samples[0]:
+        return schema
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    schema = schema.append(pa.field("reference", REFERENCE))
+    features["reference"] = _HF_REFERENCE
+    if "reference_image" in samples[0]:
+        schema = schema.append(pa.field("reference_image", SCHEMA.field("image").type))
+        features["reference_image"] = {"_type": "Image"}
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
 def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> int | None:
@@ -113,7 +134,7 @@ def webdataset_tar(samples: list[dict], ext: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for s in samples:
-            meta = {k: s.get(k) for k in schema_of(samples).names if k != "image"}
+            meta = {k: s.get(k) for k in schema_of(samples).names if k not in ("image", "reference_image")}
             for name, data in (
                 (f"{file_stem(s['id'])}.{ext}", s["encoded"]),
                 (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True).encode()),

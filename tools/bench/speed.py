@@ -77,8 +77,8 @@ class HookCounter:
 
 
 def _run_shard(pipe, cfg, rows) -> float:
-    from jobs.staged import shard_steps
     from jobs.text_to_image import make_batches
+    from launcher.worker.staged import shard_steps
 
     t0 = time.perf_counter()
     for _, step in shard_steps(pipe, make_batches(rows, cfg.generate), cfg):

@@ -1,5 +1,8 @@
 """A shard's work as steps: one per batch, or staged (encode every prompt, then denoise, then decode).
 
+How a shard is run, whatever the job: the job (jobs/<job>.py, handed in) says what a batch's pipeline call is
+(`pipeline_kwargs`, `run_batch`); this module decides when each model runs, and parks the idle one.
+
 Unstaged, each step is one pipeline call. Staged (`execution.staged`), the shard's prompts are encoded first
 (the family's `encode`, in the same batches), then every batch is denoised from its embeddings
 (`prompt_embeds=...`, `output_type="latent"`), then every batch is decoded by the VAE (the family's
@@ -25,13 +28,14 @@ import logging
 
 import torch
 
-from jobs.text_to_image import _family, cache_context, pipeline_kwargs, run_batch
+import jobs.text_to_image as text_to_image
+from jobs.text_to_image import _family, cache_context
 from launcher.worker.residency import park, unpark
 
 logger = logging.getLogger(__name__)
 
 
-def shard_steps(pipe, batches: list, cfg):
+def shard_steps(pipe, batches: list, cfg, job=text_to_image):
     """Yield (batch or None, step) pairs; `step(num_inference_steps=None)` returns the samples it finished.
 
     A batch comes with the step that denoises it, for the compile warm-up. Close the generator when stopping
@@ -39,9 +43,9 @@ def shard_steps(pipe, batches: list, cfg):
     """
     if not cfg.execution.staged:
         for b in batches:
-            yield b, functools.partial(run_batch, pipe, b, cfg)
+            yield b, functools.partial(job.run_batch, pipe, b, cfg)
         return
-    yield from _staged(pipe, batches, cfg)
+    yield from _staged(pipe, batches, cfg, job)
 
 
 class _Swap:
@@ -73,7 +77,7 @@ def _swap_of(pipe) -> _Swap:
     return _SWAPS.setdefault(id(pipe), _Swap(pipe))
 
 
-def _staged(pipe, batches: list, cfg):
+def _staged(pipe, batches: list, cfg, job):
     fam = _family(type(pipe))
     offload = cfg.execution.offload == "model"
     swap = _swap_of(pipe) if cfg.execution.release_text_encoder and not offload else None
@@ -91,7 +95,7 @@ def _staged(pipe, batches: list, cfg):
 
             @torch.no_grad()
             def encode(i=i, b=b, **_):
-                kwargs = pipeline_kwargs(pipe, b, cfg)
+                kwargs = job.pipeline_kwargs(pipe, b, cfg)
                 embeds[i] = {k: v.to("cpu") for k, v in fam.encode(pipe, kwargs).items()}
                 return []
 
@@ -101,7 +105,7 @@ def _staged(pipe, batches: list, cfg):
         for i, b in enumerate(batches):
 
             def denoise(i=i, b=b, num_inference_steps=None):
-                kwargs = pipeline_kwargs(pipe, b, cfg)
+                kwargs = job.pipeline_kwargs(pipe, b, cfg)
                 for k in ("prompt", "negative_prompt"):
                     kwargs.pop(k, None)
                 device = pipe._execution_device

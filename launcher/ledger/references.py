@@ -1,0 +1,228 @@
+"""Reference images of an edit job (`job=edit`): found, checked and hashed at planning; read back by workers.
+
+`dataset.image_column` holds, per row, a `datasets` Image struct `{bytes, path}` (meshgen's own Parquet and
+`save_to_disk` write it so), a path (relative to the source file's folder, absolute, `s3://`, `gs://`), or a list
+of those. Planning reads the column apart from the prompts, a few rows at a time, hashes each reference's bytes
+(streaming for files) and reads only its header for the size: no image is decoded or kept. Each row gains two
+plan columns:
+- `ref_sha256`: the references' sha256, space-separated. The shard fingerprint hashes it like any column, so an
+  edited reference makes its shard stale; text-to-image rows leave it empty, which the fingerprint leaves out.
+- `ref_loc`: JSON, one `{"path": lineage, "src": where to read it}` per reference; `src` is a path or URL, or
+  `[file, column, row, k]` for bytes stored in the source (row within that file, k-th of the row's references). Not
+  fingerprinted: moving a source folder is no change of its images.
+Workers read a shard's references when they claim it (launcher/ledger/reference_reads.py) and check their hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+from collections.abc import Iterator
+
+import pyarrow as pa
+
+from launcher.errors import ConfigError
+
+REF_FIELDS = [pa.field("ref_sha256", pa.string()), pa.field("ref_loc", pa.string())]
+
+_READ_ROWS = 8  # Parquet rows read at a time: bounds planning memory by a few images, whatever the file holds
+_CHUNK = 1 << 20
+
+
+def _base_dir(f: str) -> str:
+    """The folder that relative reference paths are relative to: the source file's (a save_to_disk folder's own)."""
+    from launcher.ledger.prompts import filesystem
+
+    fs, p = filesystem(f)
+    if fs.get_file_info(p).type.name == "Directory":
+        return f.rstrip("/")
+    return f.rsplit("/", 1)[0] if "/" in f else "."
+
+
+def resolve(path: str, base: str) -> str:
+    """A reference's location: a URL as is; a local path made absolute (lineage and workers need no cwd)."""
+    if "://" in path:
+        return path
+    if "://" in base:
+        return base + "/" + path
+    return os.path.abspath(posixpath.join(base, path))
+
+
+def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
+    """(where, row within the file, the column's value) for each row of one source file, a few rows at a time."""
+    from launcher.ledger.prompts import _suffix, filesystem
+
+    fs, p = filesystem(f)
+    if fs.get_file_info(p).type.name == "Directory" or _suffix(f) == ".parquet":
+        yield from _arrow_rows(f, col, fs, p)
+        return
+    if _suffix(f) == ".txt":
+        raise ConfigError(f"dataset {f}: job=edit needs an image column ({col!r}); a .txt source has none")
+    for n, (where, r) in enumerate(_text_rows(f, col)):
+        yield where, n, r
+
+
+def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
+    from launcher.ledger.prompts_raw import raw_rows
+
+    for where, r in raw_rows(f, col, None):
+        if col not in r:
+            raise ConfigError(
+                f"{where} has no image column {col!r} (dataset.image_column); columns found: {', '.join(map(str, r))}"
+            )
+        value = r[col]
+        if isinstance(value, str) and value.startswith("["):  # a CSV cell can hold a JSON list of paths
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        yield where, value
+
+
+def _arrow_rows(f: str, col: str, fs, p: str) -> Iterator[tuple[str, int, object]]:
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.prompts_raw import saved_dataset_files
+
+    def missing(names):
+        return ConfigError(
+            f"dataset {f} has no image column {col!r} (dataset.image_column); columns found: {', '.join(names)}"
+        )
+
+    n = 0
+    if fs.get_file_info(p).type.name == "Directory":
+        for part in saved_dataset_files(f):
+            with fs.open_input_file(part) as fh:
+                reader = pa.ipc.open_stream(fh)
+                if col not in reader.schema.names:
+                    raise missing(reader.schema.names)
+                for batch in reader:
+                    for v in batch.column(col).to_pylist():
+                        yield f"dataset {f}, row {n}", n, v
+                        n += 1
+        return
+    # Buffered column reads: the plan holds a few rows' images, not a whole row group's.
+    pf = pq.ParquetFile(fs.open_input_file(p), buffer_size=_CHUNK, pre_buffer=False)
+    if col not in pf.schema_arrow.names:
+        raise missing(pf.schema_arrow.names)
+    for batch in pf.iter_batches(columns=[col], batch_size=_READ_ROWS):
+        for v in batch.column(0).to_pylist():
+            yield f"dataset {f}, row {n}", n, v
+            n += 1
+
+
+def _entries(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_image(head, where: str, what: str, max_pixels: int) -> tuple[int, int]:
+    """(width, height) from an image's header, or a one-line error: not an image, or over the pixel limit."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(head) as im:
+            w, h = im.size
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ConfigError(f"{where}: reference {what} is not an image ({e}); fix that row") from None
+    if w * h > max_pixels:
+        raise ConfigError(
+            f"{where}: reference {what} is {w}x{h} ({w * h / 2**20:.1f} megapixels), more than the "
+            f"{max_pixels / 2**20:.1f} this model family takes; downscale it"
+        )
+    return w, h
+
+
+def _hash_file(path: str, where: str, max_pixels: int) -> tuple[str, tuple[int, int]]:
+    from launcher.ledger.prompts import filesystem
+
+    try:
+        fs, p = filesystem(path)
+        with fs.open_input_file(p) as fh:
+            h = hashlib.sha256()
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+            fh.seek(0)
+            size = check_image(fh, where, path, max_pixels)
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: reference {path} does not exist; fix the path (relative paths start at the source file's folder)"
+        ) from None
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise ConfigError(f"{where}: reference {path} cannot be read ({e}); fix the path or its permissions") from None
+    return h.hexdigest(), size
+
+
+def plan_row(where: str, f: str, n: int, value, base: str, src) -> tuple[list[str], list[dict], tuple[int, int]]:
+    """One row's references: their hashes, locations and the first one's (width, height); checked."""
+    entries = [e for e in _entries(value) if e is not None]
+    if not entries:
+        raise ConfigError(f"{where}: no reference image in column {src.image_column!r}; give one or drop the row")
+    limit = src.sizes.max_references if src.sizes else 0
+    if limit and len(entries) > limit:
+        raise ConfigError(
+            f"{where}: {len(entries)} reference images, more than the {limit} this model family takes; "
+            f"give at most {limit}"
+        )
+    max_pixels = src.sizes.max_pixels if src.sizes else 2**62
+    shas, locs, first = [], [], None
+    for k, e in enumerate(entries):
+        if isinstance(e, dict) and e.get("bytes") is not None:
+            data = e["bytes"]
+            sha, size = hashlib.sha256(data).hexdigest(), check_image(io.BytesIO(data), where, f"#{k}", max_pixels)
+            # Lineage names the source row (its file and row): a stored image's own `path` is only a file name.
+            locs.append({"path": stored_name(f, n, k), "src": [f, src.image_column, n, k]})
+        else:
+            rel = e.get("path") if isinstance(e, dict) else e
+            if not isinstance(rel, str) or not rel:
+                raise ConfigError(f"{where}: reference #{k} is {rel!r}, not an image struct or a path; fix that row")
+            path = resolve(rel, base)
+            sha, size = _hash_file(path, where, max_pixels)
+            locs.append({"path": path, "src": path})
+        shas.append(sha)
+        first = first or size
+    return shas, locs, first
+
+
+class References:
+    """Attaches the reference columns to the prompt batches of one pass over the source, row for row."""
+
+    def __init__(self, src, files: list[str]):
+        self.src = src
+        self._rows = ((f, _base_dir(f), row) for f in files for row in column_rows(f, src.image_column))
+
+    def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        shas, locs, heights, widths = [], [], [], []
+        names = batch.schema.names
+        h_in, w_in = batch.column(names.index("height")).to_pylist(), batch.column(names.index("width")).to_pylist()
+        for i in range(batch.num_rows):
+            f, base, (where, n, value) = next(self._rows)
+            s, loc, (w, h) = plan_row(where, f, n, value, base, self.src)
+            shas.append(" ".join(s))
+            locs.append(json.dumps(loc))
+            if self.src.size_from_reference and h_in[i] is None and w_in[i] is None:
+                h, w = fit_size(h, w, self.src.sizes)
+                heights.append(h)
+                widths.append(w)
+            else:
+                heights.append(h_in[i])
+                widths.append(w_in[i])
+        cols = dict(zip(names, batch.columns, strict=True))
+        cols["height"], cols["width"] = pa.array(heights, pa.int64()), pa.array(widths, pa.int64())
+        arrays = [cols[n] for n in names] + [pa.array(shas, pa.string()), pa.array(locs, pa.string())]
+        return pa.RecordBatch.from_arrays(arrays, schema=batch.schema.append(REF_FIELDS[0]).append(REF_FIELDS[1]))
+
+
+def fit_size(h: int, w: int, sizes) -> tuple[int, int]:
+    """A reference's size as an output size, rounded down to the model's factor (a reference over the family's
+    pixel limit was refused already, so the size is within it)."""
+    m = sizes.multiple if sizes else 1
+    return max(m, h // m * m), max(m, w // m * m)
+
+
+def stored_name(f: str, n: int, k: int) -> str:
+    return f"{f}#row={n}" + (f"&ref={k}" if k else "")

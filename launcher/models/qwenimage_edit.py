@@ -1,0 +1,104 @@
+"""Qwen-Image-Edit-Plus (`QwenImageEditPlusPipeline`): Qwen-Image's transformer and VAE, with a Qwen2.5-VL
+processor that shows the text encoder the reference images; what the runner knows of it, and its tiny pipeline.
+
+- It edits (`job=edit`): `image=` takes a list; the model card documents 1 to 3 references.
+- One prompt per call (the pipeline refuses more); the edit job calls it so. It does not cut prompts at
+  `max_sequence_length`, so no prompt counts as truncated.
+- Guidance, tensor-parallel plans and the prompt template's dropped tokens are Qwen-Image's
+  (launcher/models/qwenimage.py). The pipeline resizes each reference to 384x384 pixels' area for the text
+  encoder and 1024x1024 for the VAE, whatever the output size.
+- The tiny pipeline: Qwen-Image's tiny transformer and VAE, a tiny Qwen2.5-VL, and a processor made offline
+  from the byte-level tokenizer (with Qwen's vision tokens) and Qwen2-VL's image processor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from launcher.models import Family
+from launcher.models.qwenimage import _call_kwargs
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_tiny(out_dir: str | os.PathLike) -> Path:
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from launcher.models._tiny import QWEN_SPECIAL, qwen_tokenizer, save_atomically
+    from launcher.models._qwen_vl_processor import ImageOnlyQwenVLProcessor
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:] + VISION_TOKENS})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    processor = ImageOnlyQwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [1, 1, 2]},
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    torch.manual_seed(1)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(2)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    pipe = QwenImageEditPlusPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
+    )
+    return save_atomically(pipe, out_dir, "Qwen-Image-Edit-Plus")
+
+
+FAMILY = Family(
+    "qwenimage_edit",
+    pipelines=("QwenImageEditPlusPipeline",),
+    tp_transformer=True,
+    repeated_blocks=True,
+    uses_cfg=True,
+    token_ids=lambda pipe, prompts: None,  # its encode_prompt cuts nothing at max_sequence_length: none truncated
+    call_kwargs=_call_kwargs,
+    build_tiny=build_tiny,
+    tp_text_encoder=True,
+    max_references=3,
+)

@@ -1,0 +1,68 @@
+"""job=edit's planning without a model: reference sizes, what the shard fingerprint covers, Parquet sources."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from launcher.ledger.prompts import SizeRule, Source, read_batches
+from launcher.ledger.reference_reads import load_references
+from launcher.ledger.shards import prompts_fingerprint
+
+RULE = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)
+
+
+def png(w: int, h: int, color=(0, 0, 0)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def plan_table(path, **kw) -> pa.Table:
+    return pa.Table.from_batches(list(read_batches(Source(str(path), image_column="image", sizes=RULE, **kw))))
+
+
+def test_size_from_reference_rounds_down_to_the_model_factor(tmp_path):
+    (tmp_path / "small.png").write_bytes(png(100, 60))
+    (tmp_path / "large.png").write_bytes(png(2000, 1500))
+    rows = [{"prompt": "a", "image": "small.png"}, {"prompt": "b", "image": "large.png"}]
+    rows.append({"prompt": "c", "image": "small.png", "height": 32, "width": 32})  # a row's own size wins
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = plan_table(tmp_path / "p.jsonl", size_from_reference=True).to_pylist()
+    assert (t[0]["height"], t[0]["width"]) == (48, 96)
+    assert (t[1]["height"], t[1]["width"]) == (1488, 2000)
+    assert (t[2]["height"], t[2]["width"]) == (32, 32)
+    plain = plan_table(tmp_path / "p.jsonl").to_pylist()  # without it, the config's size applies (empty here)
+    assert plain[0]["height"] is None and plain[2]["height"] == 32
+
+
+def test_the_fingerprint_covers_reference_content_not_location(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "r.png").write_bytes(png(8, 8))
+    (a / "p.jsonl").write_text(json.dumps({"prompt": "x", "image": "r.png"}) + "\n")
+    first = prompts_fingerprint(plan_table(a / "p.jsonl"))
+    shutil.copytree(a, b)  # the same source elsewhere: the same images, the same fingerprint
+    assert prompts_fingerprint(plan_table(b / "p.jsonl")) == first
+    (b / "r.png").write_bytes(png(8, 8, (255, 0, 0)))  # an edited reference: another fingerprint
+    assert prompts_fingerprint(plan_table(b / "p.jsonl")) != first
+    text_only = pa.Table.from_batches(list(read_batches(Source(str(a / "p.jsonl")))))
+    assert text_only.column_names == plan_table(a / "p.jsonl").column_names[:-2]
+
+
+def test_parquet_image_structs_and_lists_are_read_back_by_row(tmp_path):
+    refs = [png(8, 8, (i * 20, 0, 0)) for i in range(5)]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    images = [[{"bytes": r, "path": f"{i}.png"}] for i, r in enumerate(refs[:3])]
+    images.append([{"bytes": refs[3], "path": None}, {"bytes": refs[4], "path": None}])  # two references
+    table = pa.table({"prompt": [f"p{i}" for i in range(4)], "image": pa.array(images, pa.list_(struct))})
+    pq.write_table(table, tmp_path / "s.parquet", row_group_size=2)
+    rows = plan_table(tmp_path / "s.parquet").to_pylist()
+    got = [[data for _, data in load_references(r)] for r in rows]
+    assert got == [[refs[0]], [refs[1]], [refs[2]], [refs[3], refs[4]]]
+    assert json.loads(rows[3]["ref_loc"])[1]["path"] == f"{tmp_path / 's.parquet'}#row=3&ref=1"
