@@ -15,7 +15,7 @@ from dataclasses import dataclass
 # Settings that determine the images. Everything else (mesh, batch size, workers, execution mode,
 # dataset.limit, testing.*) only decides how the work is run, and may change between runs of one job.
 FINGERPRINT_KEYS = {
-    "model": ("path", "dtype", "call_kwargs"),
+    "model": ("path", "dtype", "call_kwargs", "loras"),  # loras: each file's content hash and scale
     "generate": (
         "height",
         "width",
@@ -32,6 +32,7 @@ FINGERPRINT_KEYS = {
 # Keys added after runs were made: at these values they are left out of the settings, so that the folders of
 # older runs keep their fingerprints (a resume with the defaults is no change).
 LATER_DEFAULTS = {
+    ("model", "loras"): [],
     ("generate", "images_per_prompt"): 1,
     ("execution", "cache"): "none",
     ("execution", "cache_options"): {},
@@ -120,7 +121,7 @@ def settings(cfg) -> dict:
     """The settings that determine the images, as a plain dict (the part of run.json that is fingerprinted)."""
     out = {}
     for group, keys in FINGERPRINT_KEYS.items():
-        values = {k: _plain(cfg[group][k]) for k in keys}
+        values = {k: _plain(cfg[group][k]) if (group, k) != ("model", "loras") else _loras(cfg) for k in keys}
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
         if values:
             out[group] = values
@@ -143,6 +144,12 @@ def settings_diff(old: dict, new: dict) -> list[str]:
 
 def settings_fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _loras(cfg) -> list[dict]:
+    from launcher.loras import fingerprint_entries
+
+    return fingerprint_entries(cfg)
 
 
 def _plain(v):
