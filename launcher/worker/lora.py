@@ -113,7 +113,7 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
                         low_cpu_mem_usage=True,
                     )
                 else:  # a transformers text encoder: the loader every pipeline with one uses
-                    model.to = lambda *a, **k: model  # it ends by moving the encoder to its device: meta here
+                    model.to = lambda *a, _m=model, **k: _m  # it ends by moving the encoder to its device: meta here
                     _load_lora_into_text_encoder(
                         state_dict,
                         alphas,
@@ -149,7 +149,8 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
             out.setdefault(name, {})[n] = Factor(A.detach(), B.detach(), float(m.scaling["meshgen"]), m.fan_in_fan_out)
     if not out:
         raise LoraError(
-            f"none of its keys matches a module of the model (components it names: {', '.join(components_in(state_dict)) or 'none'})"
+            "none of its keys matches a module of the model (components it names: "
+            f"{', '.join(components_in(state_dict)) or 'none'})"
         )
     return out
 
