@@ -240,3 +240,15 @@ def test_preflight_refuses_a_lora_with_one_line(case, loras, tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and last.startswith("error: ") and expected in last, last
     assert not (tmp_path / "out").exists()
+
+
+def test_memory_plan_counts_the_loras_own_bytes(loras):
+    from launcher.config import load_config
+    from launcher.host.memory import GIB
+    from launcher.host.mesh_plan import need_gib
+
+    model, files = loras("flux2")
+    per_rank = {"transformer": 3 * GIB, "text_encoder": GIB, "vae": GIB // 4}
+    with_loras = need_gib(load_config("tiny", [f"model.path={model}", lora_override(files)]), per_rank)
+    without = need_gib(load_config("tiny", [f"model.path={model}"]), per_rank)
+    assert with_loras - without == pytest.approx(sum(f.stat().st_size for f in files) / GIB)
