@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from conftest import launch, max_diff, pixels, read_rows, worker_logs
 from test_families import contract_seed
-from tiny_lora import FLUX1, FLUX2, make_lora
+
+from tools.make_tiny_lora import FLUX1, FLUX2, make_lora
 
 PROMPTS = [{"id": "p0", "prompt": "a red cube on a wooden table"}, {"id": "p1", "prompt": "a quiet lake at dawn"}]
 SCALES = (0.8, 1.0)
@@ -157,13 +158,17 @@ def test_loras_fused_at_tp1_equal_diffusers_and_tp2_within_2_levels(family, lora
     assert max_diff(out1, out2) <= 2
 
 
-def test_fused_weights_are_bitwise_diffusers_in_bfloat16(loras):
-    """The delta arithmetic is PEFT's (float32 on CPU for half types): every weight equals diffusers' fuse."""
+def test_fused_weights_are_bitwise_diffusers_in_bfloat16(loras, monkeypatch):
+    """The delta arithmetic is PEFT's (float32 on CPU for half types): every weight equals diffusers' fuse, also
+    when the delta is computed a few rows at a time (as it is for real-size layers)."""
     import torch
     from diffusers import DiffusionPipeline
 
+    from launcher.worker import lora_fuse
     from launcher.worker.lora import factors
     from launcher.worker.lora_fuse import fuse
+
+    monkeypatch.setattr(lora_fuse, "CHUNK_BYTES", 3 * 32 * 4)  # 3 rows of a 32-wide layer per step
 
     model, files = loras("flux2")
     ref = diffusers_fused(model, files, dtype=torch.bfloat16)

@@ -14,6 +14,8 @@ from launcher.worker.lora import Factor, Factors
 
 logger = logging.getLogger(__name__)
 
+CHUNK_BYTES = 32 * 2**20  # the most a fuse computes at once (part of one layer's delta)
+
 
 def fuse(pipe, loras: list[tuple[Factors, float]]) -> int:
     """Add each LoRA times its scale into the pipeline's weights, in list order; the number of layers changed."""
@@ -55,9 +57,15 @@ def add_delta(weight: torch.Tensor, f: Factor, scale: float, block_sizes: list[i
     A, B = A.to(local.device, local.dtype), B.to(local.device, local.dtype)
     if local.device.type == "cpu" and local.dtype in (torch.float16, torch.bfloat16):
         A, B = A.float(), B.float()
-    delta = B @ A
-    delta = (delta.T if f.fan_in_fan_out else delta) * (f.scaling * scale)
-    local += delta.to(local.dtype)
+    # A few output rows at a time: the working buffer stays under CHUNK_BYTES whatever the layer's size (FLUX.2's
+    # packed to_qkv_mlp_proj is 55296 x 6144), so a rank holds the LoRA's own bytes and hardly anything more.
+    rows = max(1, CHUNK_BYTES // (A.shape[1] * A.element_size()))
+    for start in range(0, B.shape[0], rows):
+        delta = (B[start : start + rows] @ A) * (f.scaling * scale)
+        if f.fan_in_fan_out:
+            local[:, start : start + rows] += delta.T.to(local.dtype)
+        else:
+            local[start : start + rows] += delta.to(local.dtype)
 
 
 def _packed_slices(model) -> dict[str, list[int]]:

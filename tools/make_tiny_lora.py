@@ -1,4 +1,7 @@
-"""Tiny LoRA files for the tiny pipelines, built offline and deterministically (seeded)."""
+"""Tiny LoRA files for the tiny pipelines, built offline and deterministically (seeded):
+`python tools/make_tiny_lora.py MODEL_DIR OUT.safetensors [--family flux2|flux1] [--seed N] [--alpha A]`.
+
+Tests and tools/bench/lora.py build theirs with `make_lora`."""
 
 from __future__ import annotations
 
@@ -63,3 +66,16 @@ def make_lora(
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out))
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model", type=Path, help="the tiny pipeline's folder")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    parser.add_argument("--family", default="flux2", choices=["flux2", "flux1"])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--alpha", type=float, default=None)
+    args = parser.parse_args()
+    print(make_lora(args.model, args.out, {"flux2": FLUX2, "flux1": FLUX1}[args.family], args.seed, alpha=args.alpha))
