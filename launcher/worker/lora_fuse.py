@@ -61,11 +61,13 @@ def add_delta(weight: torch.Tensor, f: Factor, scale: float, block_sizes: list[i
     # packed to_qkv_mlp_proj is 55296 x 6144), so a rank holds the LoRA's own bytes and hardly anything more.
     rows = max(1, CHUNK_BYTES // (A.shape[1] * A.element_size()))
     for start in range(0, B.shape[0], rows):
-        delta = (B[start : start + rows] @ A) * (f.scaling * scale)
+        delta = B[start : start + rows] @ A
+        delta.mul_(f.scaling * scale)  # in place: one buffer per step (PEFT's `* scaling`, the same numbers)
         if f.fan_in_fan_out:
             local[:, start : start + rows] += delta.T.to(local.dtype)
         else:
             local[start : start + rows] += delta.to(local.dtype)
+        del delta  # before the next step's product, not after it
 
 
 def _packed_slices(model) -> dict[str, list[int]]:
