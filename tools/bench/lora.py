@@ -207,7 +207,8 @@ def main() -> None:
     real = result["real_flux2_dev_tp2_rank0"]
     print(f"FLUX.2-dev transformer, rank 0 of tp=2, rank-{real['lora_rank']} LoRA on {real['layers']} layers:")
     print(
-        f"  LoRA bytes {real['lora_bytes'] / MIB:.1f} MiB; fuse working peak {real['fuse_working_peak_bytes'] / MIB:.1f} MiB "
+        f"  LoRA bytes {real['lora_bytes'] / MIB:.1f} MiB; "
+        f"fuse working peak {real['fuse_working_peak_bytes'] / MIB:.1f} MiB "
         f"(a whole delta of the largest layer would be {real['largest_full_delta_bytes'] / MIB:.0f} MiB)"
     )
     print(
