@@ -71,14 +71,19 @@ def lora_file(ref: LoraRef) -> Path:
 
 
 def _cached(ref: LoraRef) -> Path | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    """The file in the Hugging Face cache's snapshot that refs/main names (the cache's documented layout). Not
+    snapshot_download(local_files_only=True): huggingface_hub 2.4 checks it against the repo's whole file list,
+    and we fetch only the LoRA's .safetensors files."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
 
+    repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=ref.path, repo_type="model")
     try:
-        folder = Path(snapshot_download(ref.path, local_files_only=True, allow_patterns=["*.safetensors"]))
-    except (LocalEntryNotFoundError, OSError, ValueError):
+        folder = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+    except OSError:
         return None
-    return _pick(folder, ref)
+    f = _pick(folder, ref)  # several files and no weight_name: that one line, not "not cached"
+    return f if f.is_file() else None
 
 
 def ensure_downloaded(cfg) -> None:

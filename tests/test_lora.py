@@ -257,3 +257,37 @@ def test_memory_plan_counts_the_loras_own_bytes(loras):
     with_loras = need_gib(load_config("tiny", [f"model.path={model}", lora_override(files)]), per_rank)
     without = need_gib(load_config("tiny", [f"model.path={model}"]), per_rank)
     assert with_loras - without == pytest.approx(sum(f.stat().st_size for f in files) / GIB)
+
+
+def test_a_hub_lora_is_downloaded_once_by_the_launcher(loras, tmp_path):
+    """A LoRA given as a hub id (tests/fake_hub.py on loopback): fetched once, only the named file; the workers
+    read it from the cache; its content hash is the fingerprint's."""
+    import hashlib
+
+    from fake_hub import FakeHub, serve
+
+    model, files = loras("flux2")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "a.safetensors").write_bytes(files[0].read_bytes())
+    (repo / "b.safetensors").write_bytes(files[1].read_bytes())
+    hub = FakeHub()
+    hub.add_folder("meshgen-test/tiny-lora", repo)
+    server = serve(hub)
+    try:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""}
+        out = tmp_path / "out"
+        lora = "model.loras=[{path:meshgen-test/tiny-lora,weight_name:b.safetensors,scale:0.5}]"
+        res = launch(f"model.path={model}", lora, "dataset.limit=2", f"output.dir={out}", env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = [p.rsplit("/", 1)[1] for p in hub.requested("GET") if "/resolve/" in p]
+        assert got.count("b.safetensors") == 1 and "a.safetensors" not in got, got
+        assert "fused 1 LoRA(s)" in worker_logs(out)
+        [entry] = json.loads((out / "run.json").read_text())["settings"]["model"]["loras"]
+        assert entry == {"sha256": hashlib.sha256(files[1].read_bytes()).hexdigest(), "scale": 0.5}
+        before = len(hub.log)  # again: the cache answers, no request at all
+        res = launch(f"model.path={model}", lora, "dataset.limit=2", f"output.dir={out}", env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert hub.log[before:] == []
+    finally:
+        server.shutdown()
