@@ -99,17 +99,23 @@ def _refuse_packed(model) -> dict:
     return {}
 
 
-def fuse_configured(pipe, cfg) -> None:
-    """Fuse `model.loras` into the loaded pipeline, each with its scale (files as the launcher resolved them)."""
-    import time
-
+def read_configured(pipe, cfg) -> list[tuple[Factors, float]]:
+    """`model.loras` as (factors, scale) pairs for this pipeline (files as the launcher resolved them)."""
     from launcher.loras import lora_file, lora_refs
     from launcher.worker.lora import factors
 
-    refs = lora_refs(cfg)
-    if not refs:
-        return
+    return [(factors(type(pipe).__name__, lora_file(r), cfg.model.path), r.scale) for r in lora_refs(cfg)]
+
+
+def fuse_configured(pipe, cfg) -> list[tuple[Factors, float]]:
+    """Fuse `model.loras` into the loaded pipeline, each with its scale; returns what it fused, so that a caller
+    can move to other scales later with `fuse(pipe, [(factors, new - old), ...])` (a LoRA is linear in its
+    scale; the weights then differ from a fresh fuse at the new scale by rounding only)."""
+    import time
+
     start = time.perf_counter()
-    loras = [(factors(type(pipe).__name__, lora_file(r), cfg.model.path), r.scale) for r in refs]
-    n = fuse(pipe, loras)
-    logger.info("fused %d LoRA(s) into %d layers in %.2f s", len(refs), n, time.perf_counter() - start)
+    loras = read_configured(pipe, cfg)
+    if loras:
+        n = fuse(pipe, loras)
+        logger.info("fused %d LoRA(s) into %d layers in %.2f s", len(loras), n, time.perf_counter() - start)
+    return loras
