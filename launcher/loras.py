@@ -49,19 +49,21 @@ def _pick(folder: Path, ref: LoraRef) -> Path:
 def lora_file(ref: LoraRef) -> Path:
     """The LoRA's .safetensors file on this host (never the network); ConfigError when it is not there."""
     p = Path(ref.path).expanduser()
-    if p.is_file():
-        return p
     if p.is_dir():
         f = _pick(p, ref)
-    elif _is_hub_id(ref.path):
+    elif p.is_file() or not _is_hub_id(ref.path):
+        f = p
+    else:
         f = _cached(ref)
         if f is None:
             raise ConfigError(
                 f"model.loras[{ref.index}].path {ref.path} is neither a local file or folder nor in the Hugging Face "
                 f"cache; download it first (hf download {ref.path}) or point it at a local .safetensors file"
             )
-    else:
-        f = p
+    if f.is_file() and f.suffix != ".safetensors":  # a pickle (.bin, .pt) could run code when loaded
+        raise ConfigError(
+            f"model.loras[{ref.index}]: {f} is not a .safetensors file; convert it (safetensors.torch.save_file)"
+        )
     if not f.is_file():
         raise ConfigError(
             f"model.loras[{ref.index}]: {f} does not exist; point model.loras[{ref.index}].path at a LoRA "
