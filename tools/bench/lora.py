@@ -182,6 +182,49 @@ def bench_real(rank: int = 16) -> dict:
     }
 
 
+def bench_read(rank: int = 16) -> dict:
+    """Reading a rank-`rank` LoRA on every planned linear of FLUX.2-dev (a file of real bf16 factors) through
+    diffusers' loader on the meta-device transformer: seconds, and this process's private memory growth."""
+    import gc
+
+    import torch
+    from safetensors.torch import save_file
+
+    from launcher.models.checkpoints import published
+    from launcher.worker.lora import factors
+    from tools.bench.memory import proc_status
+
+    _, _, config = published("black-forest-labs/FLUX.2-dev")["transformer"]
+    model = _real_transformer_rank0_tp2()
+    names = [n for n, _ in model.named_modules() if any(_matches(t, n) for t in type(model)._tp_plan)]
+    with tempfile.TemporaryDirectory(prefix="bench-lora-real-") as tmp:
+        root = Path(tmp)
+        (root / "transformer").mkdir()
+        (root / "model_index.json").write_text(
+            json.dumps({"_class_name": "Flux2Pipeline", "transformer": ["diffusers", "Flux2Transformer2DModel"]})
+        )
+        (root / "transformer" / "config.json").write_text(
+            json.dumps({"_class_name": "Flux2Transformer2DModel", **config})
+        )
+        sd = {}
+        for n in names:
+            o, i = model.get_submodule(n).weight.shape
+            sd[f"transformer.{n}.lora_A.weight"] = torch.full((rank, i), 0.01, dtype=torch.bfloat16)
+            sd[f"transformer.{n}.lora_B.weight"] = torch.full((o, rank), 0.01, dtype=torch.bfloat16)
+        save_file(sd, str(root / "lora.safetensors"))
+        size = (root / "lora.safetensors").stat().st_size
+        del sd, model
+        gc.collect()
+        base = proc_status()["RssAnon"]
+        start = time.perf_counter()
+        got = factors("Flux2Pipeline", root / "lora.safetensors", str(root))
+        seconds = time.perf_counter() - start
+        gc.collect()
+        growth = proc_status()["RssAnon"] - base
+    held = sum(f.A.nbytes + f.B.nbytes for m in got.values() for f in m.values())
+    return {"file_bytes": size, "factor_bytes_held": held, "read_s": seconds, "private_growth_bytes": growth}
+
+
 def _matches(pattern: str, name: str) -> bool:
     import re
 
@@ -202,7 +245,11 @@ def main() -> None:
     if args.rank:
         rank_main(args.model, args.tp, args.lora, args.out)
         return
-    result = {"real_flux2_dev_tp2_rank0": bench_real(), "tiny_flux2": bench_tiny(args.repeats)}
+    result = {
+        "real_flux2_dev_tp2_rank0": bench_real(),
+        "real_flux2_dev_read": bench_read(),
+        "tiny_flux2": bench_tiny(args.repeats),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     real = result["real_flux2_dev_tp2_rank0"]
     print(f"FLUX.2-dev transformer, rank 0 of tp=2, rank-{real['lora_rank']} LoRA on {real['layers']} layers:")
@@ -214,6 +261,12 @@ def main() -> None:
     print(
         f"  weights local bytes {real['weights_local_bytes_before'] / 2**30:.2f} GiB before, "
         f"{real['weights_local_bytes_after'] / 2**30:.2f} GiB after"
+    )
+    read = result["real_flux2_dev_read"]
+    print(
+        f"  reading that LoRA ({read['file_bytes'] / MIB:.0f} MiB file) through diffusers' loader on the meta "
+        f"transformer: {read['read_s']:.1f} s, private memory +{read['private_growth_bytes'] / MIB:.0f} MiB "
+        f"(factors held {read['factor_bytes_held'] / MIB:.0f} MiB)"
     )
     tiny = result["tiny_flux2"]
     print(f"tiny FLUX.2 (2 LoRAs: {tiny['lora_file_bytes']} bytes of files), per rank, worst rank of each repeat:")
