@@ -293,3 +293,22 @@ def test_a_hub_lora_is_downloaded_once_by_the_launcher(loras, tmp_path):
         assert hub.log[before:] == []
     finally:
         server.shutdown()
+
+
+def test_real_size_flux2_fuse_adds_only_the_loras_bytes_per_rank():
+    """FLUX.2-dev's transformer on the meta device as rank 0 of tp=2 holds it (tools/bench/lora.py, in its own
+    process for its fake process group): the fuse changes no weight's size and works in one bounded buffer, far
+    below one whole delta of the largest layer, so a rank's extra bytes are the LoRA's own."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = "import json; from tools.bench.lora import bench_real; print(json.dumps(bench_real(rank=4)))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["layers"] == 8 * 12 + 48 * 2  # every planned linear: 12 per double block, 2 per single block
+    assert r["weights_local_bytes_after"] == r["weights_local_bytes_before"]
+    assert r["fuse_working_peak_bytes"] <= r["chunk_bytes"] + 2 * 2**20
+    assert r["fuse_working_peak_bytes"] * 10 < r["largest_full_delta_bytes"]
