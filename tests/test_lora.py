@@ -192,6 +192,9 @@ def test_another_scale_on_a_done_folder_exits_2(lora_job, loras):
     settings = json.loads((out / "run.json").read_text())["settings"]
     assert [e["scale"] for e in settings["model"]["loras"]] == list(SCALES)
     assert all(len(e["sha256"]) == 64 for e in settings["model"]["loras"])
+    card = (out / "README.md").read_text()  # the dataset card names each LoRA, its scale and hash
+    for f, s, e in zip(files, SCALES, settings["model"]["loras"], strict=True):
+        assert f"- LoRA: `{f}` at scale {s} (sha256 {e['sha256'][:16]}...)" in card
     again = [a if not a.startswith("model.loras=") else lora_override(files, (0.5, 1.0)) for a in args]
     res = launch(*again, f"output.dir={out}")
     assert res.returncode == 2, res.stderr[-2000:]
