@@ -27,7 +27,8 @@ class LoraRef:
 
 
 def lora_refs(cfg) -> list[LoraRef]:
-    return [LoraRef(i, str(e.path), float(e.scale), e.weight_name) for i, e in enumerate(cfg.model.get("loras") or [])]
+    entries = (cfg.get("model") or {}).get("loras") or []  # a partial config (tests, tools) may lack model
+    return [LoraRef(i, str(e.path), float(e.scale), e.weight_name) for i, e in enumerate(entries)]
 
 
 def _is_hub_id(path: str) -> bool:
