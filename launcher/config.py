@@ -25,6 +25,13 @@ CONF_DIR = REPO_ROOT / "conf"
 
 
 @dataclass
+class LoraEntry:
+    path: str = MISSING  # a .safetensors file, a folder holding one (or `weight_name`), or a hub id
+    scale: float = 1.0
+    weight_name: str | None = None  # the file inside a folder or hub repo with several
+
+
+@dataclass
 class ModelConfig:
     path: str = MISSING  # hub id or local folder of a diffusers pipeline
     dtype: str = "bfloat16"
@@ -35,6 +42,7 @@ class ModelConfig:
     # A builder that creates `path` when it is missing (only for the project's own tiny test model).
     build: str | None = None
     license: str = ""
+    loras: list[LoraEntry] = field(default_factory=list)  # fused into the weights at load (launcher/worker/lora.py)
 
 
 @dataclass

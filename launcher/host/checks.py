@@ -29,6 +29,9 @@ def preflight(cfg) -> None:
         logger.warning(notice)
     check_mesh(cfg)
     check_model(cfg)
+    from launcher.host.lora_checks import check_loras
+
+    check_loras(cfg)
     check_output(cfg)
 
 

@@ -123,7 +123,22 @@ def rank_bytes(cfg, comps: dict, tp: int) -> dict[str, int]:
 
 
 def need_gib(cfg, per_rank: dict[str, int]) -> float:
-    return (_on_chip(cfg, per_rank) / memory.GIB) + _activation_gib(cfg)
+    return (_on_chip(cfg, per_rank) + lora_bytes(cfg)) / memory.GIB + _activation_gib(cfg)
+
+
+def lora_bytes(cfg) -> int:
+    """What `model.loras` add per rank: their own files' bytes, which each rank reads whole while fusing; the fused
+    deltas land in weights counted already (launcher/worker/lora_fuse.py cuts each to the rank's slice)."""
+    from launcher.errors import ConfigError
+    from launcher.loras import lora_file, lora_refs
+
+    total = 0
+    for ref in lora_refs(cfg):
+        try:
+            total += lora_file(ref).stat().st_size
+        except (ConfigError, OSError):
+            pass  # not on this host yet (a hub id before its download): preflight says so once it should be
+    return total
 
 
 def usable_gib(cfg, chip: Chip, procs_per_host: int) -> float:

@@ -33,7 +33,11 @@ def worker_overrides(overrides: list[str], cfg, mesh) -> list[str]:
 
 
 def ensure_model(cfg) -> None:
-    """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host)."""
+    """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host); the
+    same for each LoRA given as a hub id."""
+    from launcher.loras import ensure_downloaded as ensure_loras
+
+    ensure_loras(cfg)
     if cfg.model.build and not Path(cfg.model.path).exists():
         from launcher.host.family_checks import tiny_family
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 # Settings that determine the images. Everything else (mesh, batch size, workers, execution mode,
 # dataset.limit, testing.*) only decides how the work is run, and may change between runs of one job.
 FINGERPRINT_KEYS = {
-    "model": ("path", "dtype", "call_kwargs"),
+    "model": ("path", "dtype", "call_kwargs", "loras"),  # loras: each file's content hash and scale
     "generate": (
         "height",
         "width",
@@ -38,6 +38,7 @@ FINGERPRINT_KEYS = {
 # Keys added after runs were made: at these values they are left out of the settings, so that the folders of
 # older runs keep their fingerprints (a resume with the defaults is no change).
 LATER_DEFAULTS = {
+    ("model", "loras"): [],
     ("generate", "images_per_prompt"): 1,
     ("execution", "cache"): "none",
     ("execution", "cache_options"): {},
@@ -131,7 +132,7 @@ def settings(cfg) -> dict:
     if cfg.get("job", "text_to_image") != "text_to_image":  # left out for text-to-image: older runs keep theirs
         out["job"] = {"name": cfg.job}
     for group, keys in FINGERPRINT_KEYS.items():
-        values = {k: _plain(cfg[group][k]) for k in keys}
+        values = {k: _plain(cfg[group][k]) if (group, k) != ("model", "loras") else _loras(cfg) for k in keys}
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
         if values:
             out[group] = values
@@ -155,6 +156,12 @@ def settings_diff(old: dict, new: dict) -> list[str]:
 
 def settings_fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _loras(cfg) -> list[dict]:
+    from launcher.loras import fingerprint_entries
+
+    return fingerprint_entries(cfg)
 
 
 def _plain(v):

@@ -109,6 +109,10 @@ def load_pipeline(cfg, device: torch.device, mesh):
             importlib.import_module(lib)
     pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
     place(pipe, cfg, device)
+    if cfg.model.get("loras"):
+        from launcher.worker.lora_fuse import fuse_configured
+
+        fuse_configured(pipe, cfg)  # into each rank's own slices, after placing: on the chip where they live
     if parts:
         release_freed_heap()
     return pipe
