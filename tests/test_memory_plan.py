@@ -142,3 +142,39 @@ def test_a_mesh_that_does_not_fit_is_refused_by_the_run_and_its_dry_run_alike(tm
     assert real.stderr.strip().splitlines()[-1] == dry.stderr.strip().splitlines()[-1]
     assert "does not fit" in real.stderr.strip().splitlines()[-1]
     assert "Traceback" not in real.stderr + res.stderr and not (tmp_path / "out").exists()
+
+
+def test_every_real_conf_names_its_chip_and_fits_it(launcher_main, capsys):
+    from launcher.config import available_confs, load_config
+    from launcher.host.mesh_plan import CHIP_DEVICE
+
+    for conf in (c for c in available_confs() if c != "tiny"):
+        cfg = load_config(conf, [PROMPTS])
+        device = CHIP_DEVICE.get(cfg.mesh.chip)
+        assert device and cfg.device in ("auto", device), (conf, cfg.mesh.chip, cfg.device)
+        assert launcher_main(["--dry-run", f"conf={conf}", PROMPTS, f"device={device}"]) == 0, capsys.readouterr()
+        out = capsys.readouterr().out
+        assert f"# device: {device} (device={device}), chip: {cfg.mesh.chip}\n" in out, out
+        line = next(ln for ln in out.splitlines() if ln.startswith("# mesh: dp="))
+        assert MESH_LINE.fullmatch(line) and f"({cfg.mesh.chip}, " in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["conf=flux2_tp", "mesh.chip=h200"], "mesh.chip=h200 is a cuda chip but device=tpu; set device=cuda"),
+        (["mesh.chip=v6e"], "mesh.chip=v6e is a tpu chip but device=cpu; set device=tpu"),
+        (["device=auto", "mesh.chip=h200"], "mesh.chip=h200 is a cuda chip but device=auto found cpu on this host"),
+        (["conf=sd35_medium"], "mesh.chip=v6e is a tpu chip but device=auto found cpu on this host"),
+    ],
+)
+def test_a_chip_that_contradicts_the_device_is_one_line(args, says, launcher_main, capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("device=auto finds CUDA here")
+    for dry in ([], ["--dry-run"]):
+        assert launcher_main([*dry, *args, PROMPTS, f"output.dir={tmp_path / 'out'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert not (tmp_path / "out").exists()

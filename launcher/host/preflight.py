@@ -52,6 +52,8 @@ def device(pf: Preflight) -> None:
     from launcher.host.mesh_plan import check_chip
     from launcher.worker.dist import resolve_device
 
+    if pf.cfg.device != "auto":
+        check_chip(pf.cfg, pf.cfg.device)  # first: a contradiction is the line, not a missing torch_tpu
     # A dry run of a TPU job may run anywhere (a laptop, CI): it needs no torch_tpu.
     pf.device = "tpu" if pf.dry_run and pf.cfg.device == "tpu" else resolve_device(pf.cfg.device)
     check_chip(pf.cfg, pf.device)
