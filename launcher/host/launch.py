@@ -118,6 +118,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
     from launcher.ledger.plan import make_plan
+    from launcher.ledger.stale import record_kept
     from launcher.ledger.states import Ledger, clean_tmp
     from launcher.workers import resolve_workers
 
@@ -141,7 +142,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                 )
             runs.discard_outputs(store)
             ledger = Ledger(store)
-            plan = make_plan(cfg, ledger.refresh(), sizes)
+            plan = make_plan(cfg, ledger.refresh(), sizes, store)
         runs.check_run_json(store, cfg)
         rerun = rerun_command(cfg, conf, overrides)
         full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
@@ -149,6 +150,10 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         clean_tmp(store)
         if plan.stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
+            # Recorded, so that the same command without run.stale=keep then finds them done.
+            full |= best_effort(
+                "run.stale=keep", record_kept, store, {i: plan.shards[i].fingerprint for i in plan.stale}
+            )
         code = EXIT_OK
         if plan.selected and not full:
             code, full = generate(cfg, store, ledger, plan, run_id, start, plan_, sizes)

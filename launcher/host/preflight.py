@@ -107,7 +107,7 @@ def prompts(pf: Preflight) -> None:
     from launcher.ledger.states import Ledger
 
     pf.ledger = Ledger(pf.store)
-    pf.plan = make_plan(pf.cfg, pf.ledger.refresh(), pf.sizes)
+    pf.plan = make_plan(pf.cfg, pf.ledger.refresh(), pf.sizes, pf.store)
 
 
 def fetch(pf: Preflight) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from launcher.errors import ConfigError
+from launcher.ledger import stale as stale_mod
 from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
 from launcher.ledger.states import select_shards
@@ -96,6 +97,8 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
     if state.get("status") != "done":
         return "failed"
     fp = state.get("prompts_fingerprint")
+    if stale_mod.is_kept(state, fingerprint):  # run.stale=keep kept it for exactly these prompts
+        return "done"
     # A shard done in full is done under any dataset.limit.
     if same_prompts(fp, table, fingerprint) or (whole is not table and same_prompts(fp, whole)):
         return "done"
@@ -105,15 +108,21 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
     return "stale"
 
 
-def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Plan:
-    """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source)."""
-    shards = []
+def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store: Store | None = None) -> Plan:
+    """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source).
+
+    `store`: where a refusal of stale shards reads which samples changed."""
+    shards, stale_tables = [], {}
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
         fp = prompts_fingerprint(t)
         shards.append(ShardPlan(i, t.num_rows, fp, shard_status(states.get(i), t, whole, fp)))
+        if shards[-1].status == "stale" and len(stale_tables) < stale_mod.SHOWN:
+            stale_tables[i] = t
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
+    if stale and cfg.run.stale == "error" and selection != "all":
+        stale_mod.refuse(cfg, store, stale, stale_tables)
     return Plan(shards, select_shards(status, selection, cfg.run.stale), stale)
 
 
