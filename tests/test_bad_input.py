@@ -270,3 +270,22 @@ def test_a_dry_run_refuses_every_bad_input_with_the_real_runs_line(
         for part in expected:
             assert part in err[-1], f"{case}: {part!r} not in the last line: {err[-1]}"
     assert tree(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_folder_that_is_not_meshgens_is_refused_and_left_as_it_was(tiny_model, tmp_path, launcher_main, capsys):
+    repo = tmp_path / "my-dataset"  # a cloned dataset repo: its own card and history
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "README.md").write_text("# my dataset\n")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()}
+    res = launch(f"model.path={tiny_model}", f"output.dir={repo}", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    [line] = res.stderr.strip().splitlines()
+    assert line == (
+        f"error: output.dir {repo} is not empty and is not a meshgen folder (no run.json; it holds .git, README.md); "
+        "choose an empty or new folder"
+    )
+    assert launcher_main(["--dry-run", f"model.path={tiny_model}", f"output.dir={repo}"]) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in repo.iterdir()) == [".git", "README.md"]
