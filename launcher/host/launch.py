@@ -229,7 +229,7 @@ def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from launcher.logs import setup_logging
 
-    setup_logging(0, hub_progress=True)
+    setup_logging(0, hub_progress=True, who="launcher")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         from launcher.help import help_text
