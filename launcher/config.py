@@ -197,6 +197,8 @@ def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictC
             raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
     if cfg.output.png is not None:  # the old name wins where it is given: it is what the user wrote
         cfg.output.image_files = cfg.output.png
+    if cfg.output.format == "jpg":  # the files' own suffix: the same format, one name in the fingerprint
+        cfg.output.format = "jpeg"
     resolve_paths(cfg)
     return cfg
 

@@ -59,6 +59,8 @@ def rerun_matches_clean(job: list[str], out: Path, clean: Path) -> None:
     res = launch(*job, f"output.dir={out}")
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same_as_clean(out, clean)
+    # A killed run's plan file and the finished folder's empty claims/ and plans/ are gone (issue 21).
+    assert not (out / "plans").exists() and not (out / "claims").exists()
 
 
 def assert_same_as_clean(out: Path, clean: Path, n: int = N) -> None:

@@ -20,7 +20,8 @@ def collect(out: str) -> dict:
     store = Store(out)
     run = store.read_json("run.json")
     if run is None:
-        raise SystemExit(f"error: {out} has no run.json; is it a meshgen output folder?")
+        print(f"error: {out} has no run.json; is it a meshgen output folder?", file=sys.stderr)
+        raise SystemExit(2)  # bad input, as the other tools and the launcher say it
     shards, errors = {}, {}
     states = read_states(store)
     last = latest_record(store) or {}

@@ -117,7 +117,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.space import stopped_by_space
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
-    from launcher.ledger.plan import make_plan
+    from launcher.ledger.plan import make_plan, tidy
     from launcher.ledger.stale import record_kept
     from launcher.ledger.states import Ledger, clean_tmp
     from launcher.workers import resolve_workers
@@ -164,6 +164,8 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         full |= best_effort("the run's record", runs.write_record, store, record)
         full |= best_effort("the ledger's index", ledger.save_index)
         full |= best_effort("the dataset card", write_card, store, ledger.states)
+        if not other_live_runs(store, index):
+            best_effort("leftover plans", tidy, store)
     for line in lines:
         logger.info(line)
     last = stopped_by_space(cfg, store, ledger.states, run_id, full)

@@ -52,9 +52,9 @@ class MeshPlan:
 
 
 def gib(n: int) -> str:
-    """Tenths of a GiB, or two significant digits for the tiny models (0.00043), so that no part reads 0.0."""
+    """Tenths of a GiB; "<0.1" for the tiny models' parts, so that none reads 0.0 nor 9e-05."""
     x = n / memory.GIB
-    return f"{x:.1f}" if x >= 0.1 or x == 0 else f"{x:.2g}"
+    return f"{x:.1f}" if x >= 0.1 or x == 0 else "<0.1"
 
 
 def plan_mesh(cfg, device: str, comps: dict | None, strict: bool = True) -> MeshPlan:

@@ -151,6 +151,23 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
                 break
 
 
+def tidy(store: Store) -> None:
+    """At the end of a run that no other live run shares the folder with: the plan files that killed runs left
+    (kill -9 skips their removal), and the empty claims/ and plans/ folders of a finished one."""
+    import os
+
+    from launcher.ledger.states import CLAIMS_DIR
+
+    for info in store.files(PLANS_DIR, ".arrow"):
+        store.delete(f"{PLANS_DIR}/{info.base_name}")
+    if store.is_local:  # an object store has no folders
+        for name in (PLANS_DIR, CLAIMS_DIR):
+            try:
+                os.rmdir(store.local(name))
+            except OSError:  # not empty (claims of shards), or not there
+                pass
+
+
 class PlanFile:
     """A worker's view of the plan: which shards to generate, and one shard's rows when it claims it."""
 
