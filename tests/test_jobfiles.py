@@ -73,6 +73,7 @@ def test_a_job_file_kept_elsewhere_runs_from_another_folder(job_dir, tiny_model)
     dry = launch("--dry-run", "conf=../team/jobs/nightly.yaml", f"model.path={tiny_model}", cwd=work)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "# plan: 2 of 2 shards to generate (6 prompts, 6 images); 0 done, 0 failed, 0 stale" in dry.stdout
+    assert "per rank: transformer <0.1 GiB, text_encoder <0.1 GiB, vae <0.1 GiB)" in dry.stdout  # tiny parts
     assert f"conf={job_dir / 'team' / 'jobs' / 'nightly.yaml'}" in dry.stdout.splitlines()[-1]  # workers: absolute
     res = launch("conf=../team/jobs/nightly.yaml", f"model.path={tiny_model}", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -84,3 +85,27 @@ def test_a_job_file_kept_elsewhere_runs_from_another_folder(job_dir, tiny_model)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
         "error: conf=../team/jobs/weekly.yaml: no such job file"
     )
+
+
+def test_small_things_users_trip_on(tmp_path):
+    """jpg is jpeg (the files' suffix); status.py exits 2 without run.json, as the other tools; the nightly unit
+    counts a systemctl stop (143) as a clean stop."""
+    import configparser
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from launcher.config import load_config
+
+    assert load_config("tiny", ["output.format=jpg"]).output.format == "jpeg"
+    res = subprocess.run(
+        [sys.executable, "tools/status.py", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert (
+        res.returncode == 2
+        and res.stderr.strip() == f"error: {tmp_path} has no run.json; is it a meshgen output folder?"
+    )
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(REPO / "deploy" / "meshgen-nightly.service")
+    assert set(unit["Service"]["SuccessExitStatus"].split()) == {"4", "143"}
