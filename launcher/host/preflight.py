@@ -2,9 +2,10 @@
 
 The real run and `--dry-run` walk the same sequence, so a dry run exits 2 wherever the real run would. Each step
 lives in the module that owns its knowledge and reads configs, never weights; only `fetch` (a download or the
-tiny model's build) is left out of a dry run. Steps that need the model's configs wait until they are known:
-before `fetch` where the model is on this host or in the table of published checkpoints, and again after it
-otherwise.
+tiny model's build) is left out of a dry run. The steps that read the model's configs run before `fetch`, with
+what is known without the network (a folder, the Hugging Face cache, the published checkpoints' table; for a
+dry run, a tiny model built in a temporary folder), so a refusal costs no download; where nothing was known
+(a hub id neither cached nor in the table), they run again once `fetch` has the files.
 
 To add a step: write `def step(pf: Preflight) -> None` that raises ConfigError (one line) and put it in STEPS.
 """
@@ -157,9 +158,8 @@ def preflight(cfg, dry_run: bool = False) -> Preflight:
         if not (step.real_only and dry_run):
             run_step(pf, step)
     if dry_run and pf.model.configs is None:
-        what = "built there" if cfg.model.build else "downloaded"
         pf.notes.append(
-            f"# model: {cfg.model.path} is not on this host yet; the real run has it {what} first, then checks "
-            "tensor-parallel heads and sizes against its configs"
+            f"# model: {cfg.model.path} is neither on this host nor in the published checkpoints' table; the real "
+            "run downloads it first, then checks the mesh, its heads and sizes against its configs"
         )
     return pf
