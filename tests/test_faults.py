@@ -4,6 +4,7 @@ Every test runs real jobs through launch.sh and compares the result with a clean
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,8 @@ def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}"]
     (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
+    # The same job's run.json: a folder with data/ but no run.json is not meshgen's, and is refused (issue 21).
+    shutil.copy(run_job() / "run.json", out / "run.json")
     res = launch(*args)
     assert res.returncode == 3, res.stderr[-2000:]
     assert "failed shards [1]" in res.stderr
