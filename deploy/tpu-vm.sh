@@ -2,7 +2,7 @@
 # Run meshgen on every host of a multi-host TPU VM (e.g. a v6e-16: 4 hosts) with gcloud's `--worker=all`.
 #   deploy/tpu-vm.sh TPU_NAME ZONE slice   ARGS...  one torchrun job over all hosts (mesh.nodes = hosts)
 #   deploy/tpu-vm.sh TPU_NAME ZONE workers ARGS...  each host its own job on its chips (workers.index = its id)
-# e.g. deploy/tpu-vm.sh my-v6e-16 us-east5-b slice conf=flux2_tp mesh.dp=4 mesh.tp=4 output.dir=gs://BUCKET/run
+# e.g. deploy/tpu-vm.sh my-v6e-16 us-east5-b slice conf=flux2_tp mesh.dp=2 mesh.tp=8 output.dir=gs://BUCKET/run
 # Each host needs the checkout in ~/meshgen (MESHGEN_REMOTE_DIR) with `pip install -e ".[tpu,gcs]"`, e.g.:
 #   gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=all \
 #     --command 'git clone REPO_URL meshgen && cd meshgen && pip install -e ".[tpu,gcs]"'

@@ -7,6 +7,7 @@ compose creates no run folder, changes no working directory and installs no logg
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,13 +174,29 @@ def split_args(args: list[str]) -> tuple[str, list[str]]:
     return conf, overrides
 
 
+def job_file(conf: str) -> Path | None:
+    """`conf=PATH.yaml`: a job file kept anywhere (absolute, or relative to the working directory)."""
+    return Path(os.path.abspath(os.path.expanduser(conf))) if conf.endswith((".yaml", ".yml")) else None
+
+
 def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictConfig:
-    """Compose `conf/<conf>.yaml` with `overrides`; raise ConfigError with one clear line if that fails."""
-    if conf not in available_confs():
-        raise ConfigError(f"unknown conf={conf!r}; available: {', '.join(available_confs())}")
+    """Compose `conf/<conf>.yaml`, or the job file `conf` names, with `overrides`; ConfigError (one line) if that
+    fails. A job file's `defaults:` may name the project's groups and files beside it."""
+    path, extra = job_file(conf), []
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"conf={conf}: no such job file ({path}); give a .yaml file's path or a conf name")
+        config_dir, name = path.parent, path.stem
+        extra = [f"hydra.searchpath=[file://{CONF_DIR}]"]  # after the file's own folder: the project's groups
+    elif conf not in available_confs():
+        raise ConfigError(
+            f"unknown conf={conf!r}; available: {', '.join(available_confs())} (or conf=PATH.yaml, a job file)"
+        )
+    else:
+        config_dir, name = CONF_DIR, conf
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=conf, overrides=[f"name={conf}", *(overrides or [])])
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose(config_name=name, overrides=[*extra, f"name={name}", *(overrides or [])])
         OmegaConf.resolve(cfg)
     except OverrideParseException as e:
         raise ConfigError(parse_error(overrides or [], e)) from None
@@ -195,7 +212,25 @@ def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictC
             raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
     if cfg.output.png is not None:  # the old name wins where it is given: it is what the user wrote
         cfg.output.image_files = cfg.output.png
+    if cfg.output.format == "jpg":  # the files' own suffix: the same format, one name in the fingerprint
+        cfg.output.format = "jpeg"
+    resolve_paths(cfg)
     return cfg
+
+
+def resolve_paths(cfg: DictConfig) -> None:
+    """Relative local paths resolve against the working directory, once, here: the run's records and the commands
+    it prints then name the same files from any folder (workers compose in the same directory, so agree)."""
+    for key in ("dataset.path", "output.dir", "model.path"):
+        group, leaf = key.split(".")
+        if OmegaConf.is_missing(cfg[group], leaf):
+            continue  # said at preflight, in one line
+        value = cfg[group][leaf]
+        if not isinstance(value, str) or "://" in value or os.path.isabs(os.path.expanduser(value)):
+            continue
+        if key == "model.path" and not Path(value).exists():
+            continue  # a hub id ("org/name") is not a path
+        cfg[group][leaf] = os.path.abspath(os.path.expanduser(value))
 
 
 def renamed_keys_notice(cfg: DictConfig) -> str | None:

@@ -14,6 +14,22 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = str(REPO / "launch.sh")
+# A prompt source that exists: the real confs name the user's own prompts.txt, and a dry run checks the source.
+PROMPTS = f"dataset.path={REPO / 'conf' / 'prompts' / 'tiny.txt'}"
+
+
+@pytest.fixture
+def launcher_main():
+    """The launcher's main() in this process (cheap: no interpreter start per call); the logging handlers it
+    installs (on the test's captured stderr) are removed after the test."""
+    import logging
+
+    from launcher.host.launch import main
+
+    saved, level = logging.root.handlers[:], logging.root.level
+    yield main
+    logging.root.handlers[:] = saved
+    logging.root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -203,7 +203,10 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
 def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from launcher.host.model_checks import check_model
+    from launcher.host.model_checks import check_model, locate
+
+    def check(cfg):
+        check_model(cfg, locate(cfg))
 
     # A hub cache holding the whole tiny pipeline under a made-up id, as `hf download` would leave it.
     repo = tmp_path / "models--nobody--tiny-flux2"
@@ -218,11 +221,11 @@ def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, m
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "")  # so that monkeypatch restores its absence after check_model sets it
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    check_model(load_config("tiny", ["model.path=nobody/tiny-flux2", "model.build=null"]))
+    check(load_config("tiny", ["model.path=nobody/tiny-flux2", "model.build=null"]))
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # inherited by the workers: no rank waits on the hub
     (repo / "snapshots" / commit / "vae" / "diffusion_pytorch_model.safetensors").unlink()
     with pytest.raises(ConfigError, match="incomplete pipeline: vae/ lacks weight files"):
-        check_model(load_config("tiny", ["model.path=nobody/tiny-flux2", "model.build=null"]))
+        check(load_config("tiny", ["model.path=nobody/tiny-flux2", "model.build=null"]))
 
 
 def test_count_truncated_counts_tokens_as_the_pipeline_does(tiny_model):
@@ -240,3 +243,49 @@ def test_count_truncated_counts_tokens_as_the_pipeline_does(tiny_model):
     assert count_truncated(pipe, prompts, limit) == 3  # 11 bytes, 12 bytes, 400 bytes
     assert count_truncated(pipe, [], limit) == 0
     assert pipe.tokenizer.model_max_length == max_length  # the pipeline's tokenizer is left as it was
+
+
+# Where a dry run cannot know what the real run finds: it makes no download and needs no torch_tpu.
+DRY_RUN_DIFFERS = {"model-hub-id-not-cached", "tpu-without-torch-tpu"}
+
+
+def test_a_dry_run_refuses_every_bad_input_with_the_real_runs_line(
+    tiny_model, bad, tmp_path, monkeypatch, capsys, launcher_main
+):
+    """--dry-run walks the same preflight as the real run (in this process: one import of everything for all cases,
+    where each launch.sh above pays it again)."""
+    main = launcher_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "")  # restored after the cases that find the model in a cache set it
+    (tmp_path / "afile").write_text("not a folder")
+    before = tree(tmp_path)
+    for case, (overrides, expected) in CASES.items():
+        if case in DRY_RUN_DIFFERS:
+            continue
+        args = [f"model.path={tiny_model}", f"output.dir={tmp_path / 'out'}"]
+        args += [o.format(bad=bad, tmp=tmp_path) for o in overrides]
+        assert main(["--dry-run", *args]) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and err[-1].startswith("error: "), (case, err)
+        for part in expected:
+            assert part in err[-1], f"{case}: {part!r} not in the last line: {err[-1]}"
+    assert tree(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_folder_that_is_not_meshgens_is_refused_and_left_as_it_was(tiny_model, tmp_path, launcher_main, capsys):
+    repo = tmp_path / "my-dataset"  # a cloned dataset repo: its own card and history
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "README.md").write_text("# my dataset\n")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()}
+    res = launch(f"model.path={tiny_model}", f"output.dir={repo}", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    [line] = res.stderr.strip().splitlines()
+    assert line == (
+        f"error: output.dir {repo} is not empty and is not a meshgen folder (no run.json; it holds .git, README.md); "
+        "choose an empty or new folder"
+    )
+    assert launcher_main(["--dry-run", f"model.path={tiny_model}", f"output.dir={repo}"]) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in repo.iterdir()) == [".git", "README.md"]

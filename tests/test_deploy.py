@@ -12,9 +12,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, launch
+from conftest import PROMPTS, REPO, launch
 
 DEPLOY = REPO / "deploy"
+# The manifests name a bucket and a data volume that a dry run here cannot reach: these stand in for them.
+LOCAL = [PROMPTS, "output.dir=/tmp/meshgen-deploy-dry-run"]
 K8S_VERSION = kubernetes_validate.latest_version()
 INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -117,7 +119,7 @@ def test_jobset_pods_are_valid_jobs_and_derive_their_node_rank():
     for index in (0, 3):
         env = pod_env(container, index)
         assert env["TPU_WORKER_HOSTNAMES"].split(",") == hosts and env["MASTER_ADDR"] == hosts[0]
-        res = launch("--dry-run", *container["args"], env=env)
+        res = launch("--dry-run", *container["args"], *LOCAL, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
         [torchrun], workers = dry_run_lines(res.stdout)
         assert f"--nnodes=4 --node-rank={index} --master-addr={hosts[0]} --master-port=29500" in torchrun
@@ -129,7 +131,7 @@ def test_indexed_job_pods_get_their_share_of_the_workers():
     job = manifest("indexed-job.yaml")
     container = container_of(job["spec"])
     for index in (0, 3):
-        res = launch("--dry-run", *container["args"], env=pod_env(container, index))
+        res = launch("--dry-run", *container["args"], *LOCAL, env=pod_env(container, index))
         assert res.returncode == 0, res.stderr[-2000:]
         [torchrun], workers = dry_run_lines(res.stdout)
         assert workers == f"# workers: index={index} count={job['spec']['completions']}"
@@ -189,7 +191,7 @@ def test_slurm_multinode_is_one_torchrun_job_over_the_nodes(fake_bin):
 def test_gcloud_tpu_vm_ssh_runs_every_host(fake_bin, tmp_path, mode):
     log = tmp_path / "gcloud.log"
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "MESHGEN_REMOTE_DIR": str(REPO)}
-    res = run_script("tpu-vm.sh", "my-tpu", "zone-a", mode, "--dry-run", "conf=flux2_tp", "mesh.tp=4", env=env)
+    res = run_script("tpu-vm.sh", "my-tpu", "zone-a", mode, "--dry-run", "conf=flux2_tp", "mesh.tp=8", PROMPTS, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     ssh = [ln for ln in log.read_text().splitlines() if " ssh " in ln]
     assert len(ssh) == 1 and "tpus tpu-vm ssh my-tpu --zone zone-a --worker=all --command" in ssh[0]

@@ -88,6 +88,7 @@ def family_job(tiny_family, tmp_path_factory):
                 "dataset.id_column=id",
                 f"output.dir={d / 'out'}",
                 "device=cpu",
+                "mesh.chip=auto",  # the recipes name their TPU chip; here they run on this host's CPU
                 "generate.height=64",
                 "generate.width=64",
                 "generate.num_inference_steps=4",
@@ -188,7 +189,7 @@ def test_sd35_medium_recipe_compiled_with_dp2(family_job):
 REFUSED = {
     "sd3-compile-with-offload": (
         "sd3",
-        ["conf=sd35_medium", "mesh.dp=1", "execution.offload=model"],
+        ["conf=sd35_medium", "mesh.chip=auto", "mesh.dp=1", "execution.offload=model"],
         ["execution.mode=compile", "execution.offload=model", "StableDiffusion3Pipeline", "repeated blocks"],
     ),
     "sd3-tp-shards-nothing": ("sd3", ["mesh.tp=2"], ["mesh.tp=2 shards nothing", "StableDiffusion3Pipeline"]),

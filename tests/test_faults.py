@@ -5,6 +5,7 @@ Every test runs real jobs through launch.sh and compares the result with a clean
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +60,8 @@ def rerun_matches_clean(job: list[str], out: Path, clean: Path) -> None:
     res = launch(*job, f"output.dir={out}")
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same_as_clean(out, clean)
+    # A killed run's plan file and the finished folder's empty claims/ and plans/ are gone (issue 21).
+    assert not (out / "plans").exists() and not (out / "claims").exists()
 
 
 def assert_same_as_clean(out: Path, clean: Path, n: int = N) -> None:
@@ -176,6 +179,8 @@ def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}"]
     (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
+    # The same job's run.json: a folder with data/ but no run.json is not meshgen's, and is refused (issue 21).
+    shutil.copy(run_job() / "run.json", out / "run.json")
     res = launch(*args)
     assert res.returncode == 3, res.stderr[-2000:]
     assert "failed shards [1]" in res.stderr

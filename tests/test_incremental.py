@@ -37,10 +37,8 @@ def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_pat
     res = launch(*args)
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
-    assert "shards [1]" in last and "run.stale=regenerate" in last and "Traceback" not in res.stderr
-    res = launch(*args, "run.stale=keep")
-    assert res.returncode == 0 and "keeping shards [1]" in res.stderr
-    assert read_rows(out)["10"]["prompt"] == PROMPTS[10]
+    assert "shards [1]" in last and "(samples 10)" in last and "run.stale=regenerate" in last
+    assert "shifted" not in last and "Traceback" not in res.stderr
     before = file_snapshot(out)
     res = launch(*args, "run.stale=regenerate")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -51,3 +49,21 @@ def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_pat
     assert {k: v for k, v in after.items() if "00001" not in k and k != "run.json"} == {
         k: v for k, v in before.items() if "00001" not in k and k != "run.json"
     }
+    # run.stale=keep is recorded for the shards it kept: the same command without it then exits 0, every night.
+    edited[3] = "another edit"
+    prompts.write_text("\n".join(edited) + "\n")
+    assert launch(*args).returncode == 2
+    res = launch(*args, "run.stale=keep")
+    assert res.returncode == 0 and "keeping shards [0]" in res.stderr, res.stderr[-2000:]
+    assert read_rows(out)["3"]["prompt"] == PROMPTS[3]  # the old image and its prompt stay
+    res = launch(*args)
+    assert res.returncode == 0 and "nothing to do" in res.stderr, res.stderr[-2000:]
+    edited[4] = "a third edit"  # changed again after the keep: stale again
+    prompts.write_text("\n".join(edited) + "\n")
+    assert launch("--dry-run", *args).returncode == 2
+    # A deleted line shifts every later row number (the default ids): the refusal says so and what to do.
+    prompts.write_text("\n".join(PROMPTS[:2] + PROMPTS[3:]) + "\n")
+    res = launch("--dry-run", *args)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "shards [0, 1, 2]" in last, res.stderr[-2000:]  # shard 2 lost a row
+    assert "(samples 2, 3, 4, 5, 6 and more)" in last and "shifted" in last and "dataset.id_column" in last

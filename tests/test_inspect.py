@@ -1,6 +1,7 @@
 """The dataset card, contact sheet and HTML report, on the tiny tp=2 run (read only) or on copies of it."""
 
 import base64
+import html
 import importlib
 import io
 import json
@@ -172,21 +173,28 @@ def test_finish_times_fall_back_to_the_state_files_times(run_job, tmp_path):
 
 
 class Page(HTMLParser):
-    """Collects the shard table's rows, the SVG's titles and circles, the images, and unclosed tags."""
+    """Collects each table's body rows (`tables[class]`; `rows`: the shard table's), the SVG's titles, circles and
+    lines, the images, and unclosed tags."""
 
     def __init__(self, text: str):
         super().__init__()
-        self.stack, self.rows, self.titles, self.circles, self.imgs, self.urls = [], [], [], [], [], []
+        self.stack, self.titles, self.circles, self.imgs, self.urls = [], [], [], [], []
+        self.tables, self.table, self.polylines = {}, None, 0
         self.feed(text)
         self.close()
+        self.rows = self.tables.get("shards", [])
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         self.urls += [v for k, v in attrs.items() if k in ("src", "href") and not v.startswith("data:")]
+        if tag == "table":
+            self.table = attrs.get("class")
         if tag == "tr" and "tbody" in self.stack:
-            self.rows.append({"status": attrs.get("class"), "cells": []})
+            self.tables.setdefault(self.table, []).append({"status": attrs.get("class"), "cells": []})
         elif tag == "td" and "tbody" in self.stack:
-            self.rows[-1]["cells"].append("")
+            self.tables[self.table][-1]["cells"].append("")
+        elif tag == "polyline":
+            self.polylines += 1
         elif tag == "circle":
             self.circles.append(float(attrs["cx"]))
         elif tag == "img":
@@ -199,7 +207,7 @@ class Page(HTMLParser):
 
     def handle_data(self, data):
         if self.stack[-1:] == ["td"] and "tbody" in self.stack:
-            self.rows[-1]["cells"][-1] += data
+            self.tables[self.table][-1]["cells"][-1] += data
         elif self.stack[-1:] == ["title"] and "svg" in self.stack:
             self.titles.append(data)
 
@@ -231,7 +239,14 @@ def test_report_of_the_run(run_job, tools):
 def test_report_shows_failures_and_timings(run_job, tmp_path, tools):
     cs, _ = tools
     out = copy_run(run_job(), tmp_path / "run")
+    # A second run, stopped: it failed shard 1 (its traceback's last line is the exception's own message).
+    [first] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    second = {**first, "run_id": "20990101T000000-host-1", "start": "2099-01-01T00:00:00", "exit_code": 3}
+    second.update(images=0, seconds=4.0, images_per_s=0.0, command=["/x/launch.sh", "conf=tiny", "generate.seed=0"])
+    (out / "runs" / "20990101T000000-host-1.json").write_text(json.dumps(second))
+    trace = "Traceback (most recent call last):\n  File x\nValueError: the real cause"
     edit_state(out, 1, status="failed", error="RuntimeError: boom", images_per_s=None, finished_at=1000.0)
+    edit_state(out, 1, traceback=trace, run_id=second["run_id"])
     edit_state(out, 0, finished_at=1020.0, stages={"generate": 1.5, "write": 0.25})
     edit_state(out, 2, finished_at=1010.0, stages={"generate": 0.5, "write": 0.25})
     res = subprocess.run([sys.executable, "tools/report.py", str(out)], cwd=REPO, capture_output=True, text=True)
@@ -248,5 +263,19 @@ def test_report_shows_failures_and_timings(run_job, tmp_path, tools):
     assert len(page.circles) == 2 and page.circles[0] < page.circles[1]
     assert "shard 2: " in page.titles[0] and "shard 1 failed" in page.titles
     assert "generate 2.00s, write 0.50s" in text  # the stage totals
+    # The runs as the terminal summed them up, with exit codes and commands; the failure and how to rerun it.
+    runs = page.tables["runs"]
+    assert [(r["cells"][0], r["cells"][2]) for r in runs] == [(first["run_id"], "0"), (second["run_id"], "3")]
+    assert (
+        runs[0]["cells"][5] == str(first["images_per_s"])
+        and runs[1]["cells"][-1] == "/x/launch.sh conf=tiny generate.seed=0"
+    )
+    assert "0 images in 4.0 s (0.0 images/s), exit 3" in text  # the last run's own figures, as its terminal said
+    total = first["seconds"] + 4.0
+    assert f"{first['images']} images in {total:.1f} s of wall time ({first['images'] / total:.3f} images/s)" in text
+    [failure] = page.tables["failures"]
+    assert failure["cells"] == ["1", "ValueError: the real cause"]
+    assert f"/x/launch.sh conf=tiny generate.seed=0 output.dir={out} 'run.shards=[1]'</pre>" in html.unescape(text)
+    assert page.polylines == 1  # shards 0 and 2, of the first run: one line; none to another run's shards
     # 12 samples from the two done shards: 3 rows of 4.
     assert sheet_of(page).size == (4 * cs.CELL_W, 3 * cs.CELL_H)

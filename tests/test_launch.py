@@ -1,11 +1,11 @@
 """launch.sh: dry runs (what would run, for each device and mode) and the TPU install hint."""
 
 import pytest
-from conftest import launch
+from conftest import PROMPTS, launch
 
 
 def dry_run(*args):
-    res = launch("--dry-run", *args)
+    res = launch("--dry-run", *args, *([PROMPTS] if "conf=flux2_tp" in args else []))
     assert res.returncode == 0, res.stderr
     return res.stdout.splitlines()
 
@@ -21,7 +21,7 @@ def test_dry_run_tiny():
 def test_dry_run_flux2_tp_needs_no_torch_tpu():
     lines = dry_run("conf=flux2_tp", "generate.seed=3")
     assert any("python -m torch.tpu.distributed" in ln and "nproc_per_node=8" in ln for ln in lines)
-    assert "--nproc-per-node=8" in lines[-1] and lines[-1].endswith("conf=flux2_tp generate.seed=3")
+    assert "--nproc-per-node=8" in lines[-1] and "-m launcher.worker.main conf=flux2_tp generate.seed=3" in lines[-1]
     assert not any("TORCH_TPU_DEFER_AND_FUSE" in ln for ln in lines)
 
 

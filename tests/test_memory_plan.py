@@ -5,7 +5,7 @@ import re
 import struct
 
 import pytest
-from conftest import launch
+from conftest import PROMPTS, launch
 
 from launcher.host import memory
 from launcher.models.checkpoints import PUBLISHED
@@ -95,7 +95,7 @@ def test_what_is_on_the_chip_together():
 
 
 def mesh_lines(*args):
-    res = launch("--dry-run", "conf=flux2_tp", *args)
+    res = launch("--dry-run", "conf=flux2_tp", PROMPTS, *args)
     assert res.returncode == 0, res.stderr
     return [ln for ln in res.stdout.splitlines() if ln.startswith("# mesh:")]
 
@@ -110,7 +110,8 @@ def test_dry_run_prints_the_mesh_line_of_flux2_dev_on_a_v6e():
 
 @pytest.mark.parametrize(("chip", "tp", "dp"), [("v6e", 8, 1), ("h200", 1, 8)])
 def test_auto_picks_the_smallest_tp_that_fits(chip, tp, dp):
-    lines = mesh_lines("mesh.tp=auto", "mesh.dp=auto", f"mesh.chip={chip}")
+    device = {"v6e": "tpu", "h200": "cuda"}[chip]  # the chip's own device (else exit 2)
+    lines = mesh_lines("mesh.tp=auto", "mesh.dp=auto", f"mesh.chip={chip}", f"device={device}")
     m = MESH_LINE.fullmatch(lines[0])
     assert (int(m.group(2)), int(m.group(1))) == (tp, dp), lines
     assert any(f"tp=auto chose {tp}: the smallest tp" in ln for ln in lines)
@@ -135,15 +136,54 @@ def test_flux2_dev_weights_per_rank_at_each_tp():
         assert round(sum(rank_bytes(cfg, PUBLISHED[cfg.model.path], tp).values()) / memory.GIB, 2) == gib, tp
 
 
-def test_a_mesh_that_does_not_fit_is_refused_before_anything_starts(tmp_path):
-    res = launch("conf=flux2_tp", "device=cpu", "mesh.tp=2", "mesh.dp=4", f"output.dir={tmp_path / 'out'}")
+def test_a_mesh_that_does_not_fit_is_refused_by_the_run_and_its_dry_run_alike(tmp_path):
+    out = f"output.dir={tmp_path / 'out'}"
+    res = launch("--dry-run", "conf=flux2_tp", PROMPTS, "mesh.tp=2", "mesh.dp=4", out)
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: mesh dp=4 tp=2 does not fit:") and "transformer 30.8" in last
-    assert "28.8 GiB usable per v6e chip" in last and "use mesh.tp=8" in last
-    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+    assert "28.8 GiB usable per v6e chip" in last and "use mesh.tp=8" in last and not res.stdout
+    # The real run on this CPU host: a named chip of 32 GiB, shared by the 8 processes (cpu's RAM is shared).
+    args = ["conf=flux2_tp", PROMPTS, "device=cpu", "mesh.chip=auto", "mesh.chip_memory_gib=32", "mesh.tp=2"]
+    real = launch(*args, "mesh.dp=4", out)
+    dry = launch("--dry-run", *args, "mesh.dp=4", out)
+    assert real.returncode == dry.returncode == 2, real.stderr
+    assert real.stderr.strip().splitlines()[-1] == dry.stderr.strip().splitlines()[-1]
+    assert "does not fit" in real.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in real.stderr + res.stderr and not (tmp_path / "out").exists()
 
 
-def test_a_dry_run_of_a_mesh_that_does_not_fit_says_so_and_exits_0():
-    lines = mesh_lines("mesh.tp=2", "mesh.dp=4")  # the contract: --dry-run exits 0 and starts nothing
-    assert any("would be refused: mesh dp=4 tp=2 does not fit" in ln for ln in lines), lines
+def test_every_real_conf_names_its_chip_and_fits_it(launcher_main, capsys):
+    from launcher.config import available_confs, load_config
+    from launcher.host.mesh_plan import CHIP_DEVICE
+
+    for conf in (c for c in available_confs() if c != "tiny"):
+        cfg = load_config(conf, [PROMPTS])
+        device = CHIP_DEVICE.get(cfg.mesh.chip)
+        assert device and cfg.device in ("auto", device), (conf, cfg.mesh.chip, cfg.device)
+        assert launcher_main(["--dry-run", f"conf={conf}", PROMPTS, f"device={device}"]) == 0, capsys.readouterr()
+        out = capsys.readouterr().out
+        assert f"# device: {device} (device={device}), chip: {cfg.mesh.chip}\n" in out, out
+        line = next(ln for ln in out.splitlines() if ln.startswith("# mesh: dp="))
+        assert MESH_LINE.fullmatch(line) and f"({cfg.mesh.chip}, " in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["conf=flux2_tp", "mesh.chip=h200"], "mesh.chip=h200 is a cuda chip but device=tpu; set device=cuda"),
+        (["mesh.chip=v6e"], "mesh.chip=v6e is a tpu chip but device=cpu; set device=tpu"),
+        (["device=auto", "mesh.chip=h200"], "mesh.chip=h200 is a cuda chip but device=auto found cpu on this host"),
+        (["conf=sd35_medium"], "mesh.chip=v6e is a tpu chip but device=auto found cpu on this host"),
+    ],
+)
+def test_a_chip_that_contradicts_the_device_is_one_line(args, says, launcher_main, capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("device=auto finds CUDA here")
+    for dry in ([], ["--dry-run"]):
+        assert launcher_main([*dry, *args, PROMPTS, f"output.dir={tmp_path / 'out'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert not (tmp_path / "out").exists()

@@ -33,6 +33,14 @@ def test_default_terminal_shows_one_line_per_shard_event_and_files_hold_the_rest
         "shard 2 done",
     ], events
     assert "InjectedFailure" in next(p for p in events if "shard 1 failed" in p)
+    # Every stage on the bar before the first image (rank 0's stage lines set its description, never print).
+    first_event = pieces.index(events[0])
+    bar = [p.split(":")[0] for p in pieces[:first_event] if re.search(r"\d+/20 \[", p)]
+    assert "starting workers" in bar and "loading transformer" in bar and "loading text_encoder" in bar, bar
+    assert not [p for p in pieces if "meshgen.stage" in p]
+    assert [p for p in pieces if p.startswith("[launcher] ") and "generating 3 shards" in p]  # not a rank
+    stages = next(p for p in pieces if "time per stage" in p)
+    assert re.search(r"load \d", stages) and "warmup" in stages and re.search(r"start-up \d+\.?\d* s", stages)
     assert not [p for p in pieces if "launcher.worker." in p]  # routine worker lines stay in the files
     logs = run_log_dir(out, res.stderr)
     assert sorted(f.name for f in logs.glob("rank-*.log")) == ["rank-0.log", "rank-0.stdout.log", "rank-1.log"] + [
@@ -61,3 +69,29 @@ def test_the_default_filter():
     assert not shown_by_default("[rank0] 10:00:00 INFO launcher.worker.pipeline: transformer sharded over tp=2\n")
     assert not shown_by_default('  File "x.py", line 3, in <module>\n')  # a traceback's lines stay in the file
     assert not shown_by_default("some library's print\n")
+
+
+def test_library_warnings_once_in_a_worker_log_never_on_the_launchers_terminal():
+    """huggingface_hub's own handler printed each retry warning twice (raw, then with our prefix); torch elastic's
+    closing-signal lines reached the terminal. A worker's file gets a hub warning once; the launcher shows none."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys\n"
+        "from launcher.logs import setup_logging, quiet_torch_elastic\n"
+        "setup_logging(int(sys.argv[1]), who=sys.argv[2] or None)\n"
+        "import huggingface_hub.file_download\n"
+        "import torch.distributed.elastic.multiprocessing.api as api\n"
+        "quiet_torch_elastic()\n"
+        "logging.getLogger('huggingface_hub.utils._http').warning('retrying in 1s')\n"
+        "api.logger.warning('Sending process 7 closing signal SIGINT')\n"
+        "logging.getLogger('launcher.x').warning('ours')\n"
+    )
+    for rank, who, hub_lines in (("1", "", 1), ("0", "launcher", 0)):
+        res = subprocess.run([sys.executable, "-c", code, rank, who], capture_output=True, text=True, timeout=120)
+        err = res.stderr
+        assert res.returncode == 0, err
+        assert err.count("retrying in 1s") == hub_lines and err.count("ours") == 1, err
+        assert "closing signal" not in err, err
+        assert all(ln.startswith(f"[{who or 'rank' + rank}] ") for ln in err.splitlines()), err

@@ -1,23 +1,29 @@
-"""One self-contained HTML page about a run: `python tools/report.py OUTPUT_DIR [--out PATH]`.
+"""One self-contained HTML page about a run folder: `python tools/report.py OUTPUT_DIR [--out PATH]`.
 
-The summary, a table of the shards, a plot of each shard's throughput over the run, and a contact sheet, all in
-one file with no external references (the plot is inline SVG, the sheet a data: URL), so it can be mailed or
-attached to an issue. Reads only the run folder; default output OUTPUT_DIR/report.html.
+The summary with the terminal's own figures (images/s over each run's wall time), the runs with their exit codes
+and commands, the failed shards with their error's last line and the command that reruns them, a plot of each
+shard's throughput (one line per run: no line across the idle time between runs), a contact sheet and a table
+of the shards, all in one file with no external references (the plot is inline SVG, the sheet a data: URL), so
+it can be mailed or attached to an issue. Reads only the run folder; default output OUTPUT_DIR/report.html.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import shlex
 import sys
 import time
 from html import escape
 from pathlib import Path
 
 from contact_sheet import contact_sheet, png_bytes
+from status import rerun_command
 
 from launcher.errors import ConfigError
 from launcher.host.card import open_run, summarize, write_output
+from launcher.ledger.runs import read_records
+from launcher.ledger.states import read_state
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
@@ -70,9 +76,12 @@ def throughput_svg(shards: list[dict], time_source: str) -> str:
         f'<text x="14" y="{(H - BOTTOM + TOP) / 2}" font-size="12" text-anchor="middle" '
         f'transform="rotate(-90 14 {(H - BOTTOM + TOP) / 2})">images/s</text>',
     ]
-    if len(done) > 1:
-        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y, _ in done)
-        parts.append(f'<polyline points="{points}" fill="none" stroke="#4a7bd0" stroke-width="1.5"/>')
+    run_of = {s["index"]: s.get("run_id") for s in shards}
+    for run in dict.fromkeys(run_of[i] for *_, i in done):  # one line per run: none across the gap between runs
+        mine = [(x, y) for x, y, i in done if run_of[i] == run]
+        if len(mine) > 1:
+            points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in mine)
+            parts.append(f'<polyline points="{points}" fill="none" stroke="#4a7bd0" stroke-width="1.5"/>')
     parts += [
         f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="#1f4fa8"><title>shard {i}: {y} images/s</title>'
         "</circle>"
@@ -98,9 +107,31 @@ def shard_rows(shards: list[dict]) -> list[str]:
     return rows
 
 
+def run_rows(records: list[dict]) -> list[str]:
+    """Each run as the terminal summed it up: wall time, images/s over it, its exit code and command."""
+    rows = []
+    for r in records:
+        cells = [r.get("run_id", ""), r.get("start", ""), r.get("exit_code", ""), r.get("images", ""), r.get("seconds")]
+        cells += [r.get("images_per_s"), r.get("generated", ""), r.get("startup_s")]
+        tds = "".join(f"<td>{escape('' if c is None else str(c))}</td>" for c in cells)  # as the terminal said
+        tds += f'<td class="text cmd">{escape(shlex.join(r.get("command") or []))}</td>'
+        rows.append(f'<tr class="{"ok" if r.get("exit_code") == 0 else "failed"}">{tds}</tr>')
+    return rows
+
+
+def last_line(store, shard: dict) -> str:
+    """The error's last line: the exception's own message, where the first line may be a wrapper's (the traceback
+    is in the state file itself; the ledger's index keeps only the first line)."""
+    state = read_state(store, shard["index"]) or {}
+    lines = [ln for ln in (state.get("traceback") or shard["error"]).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
 def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
-    summary = summarize(open_run(out))
+    store = open_run(out)
+    summary = summarize(store)
     meta, counts, shards = summary["meta"], summary["counts"], summary["shards"]
+    records = read_records(store)
     cfg = meta["config"]
     stage_totals: dict[str, float] = {}
     for s in shards:
@@ -114,8 +145,9 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
         ("mesh", f"dp={cfg['mesh']['dp']} x tp={cfg['mesh']['tp']} on {cfg['device']}"),
         ("shards", f"{len(shards)}: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"),
         ("images", summary["images"]),
+        ("runs", f"{len(records)}, exit codes {' '.join(str(r.get('exit_code')) for r in records)}" if records else ""),
+        *wall_facts(records),
         ("shard seconds (sum)", fmt(summary["seconds"])),
-        ("images/s (per shard-second)", fmt(summary["images_per_s"])),
         ("first start to last finish", f"{fmt(summary['span_seconds'])} s" if summary["span_seconds"] else ""),
         ("time per stage (sum)", ", ".join(f"{k} {v:.2f}s" for k, v in stage_totals.items() if v)),
     ]
@@ -124,6 +156,11 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
         sheet_html = f'<img alt="the first {n} samples" src="data:image/png;base64,{sheet}">'
     except ValueError as e:
         sheet_html = f"<p>{escape(str(e))}</p>"
+    failed = [s for s in shards if s["status"] == "failed"]
+    info = {"shards": {str(s["index"]): s["status"] for s in shards}, "conf": cfg["name"]}
+    info["command"] = records[-1].get("command") if records else None
+    rerun = rerun_command(str(out), info) if failed else ""
+    run_head = ("run", "start", "exit", "images", "wall s", "images/s", "shards", "start-up s", "command")
     head = "".join(f"<th>{h}</th>" for h in ("shard", "status", "rows", "seconds", "images/s"))
     head += "".join(f"<th>{h}</th>" for h in ("finished", "stages", "error"))
     return "\n".join(
@@ -135,6 +172,11 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
             '<table class="summary">',
             *[f'<tr><th>{escape(k)}</th><td class="text">{escape(str(v))}</td></tr>' for k, v in facts if v != ""],
             "</table>",
+            "<h2>Runs</h2>",
+            '<table class="runs"><thead><tr>' + "".join(f"<th>{h}</th>" for h in run_head) + "</tr></thead><tbody>",
+            *run_rows(records),
+            "</tbody></table>",
+            *failed_section(store, failed, rerun),
             "<h2>Throughput per shard</h2>",
             throughput_svg(shards, summary["time_source"]),
             "<h2>Samples</h2>",
@@ -147,6 +189,41 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
             "</body></html>",
         ]
     )
+
+
+def wall_facts(records: list[dict]) -> list[tuple[str, str]]:
+    """The terminal summary's figures: images over each run's wall time (start-up included), the last run's
+    and all runs' together."""
+    if not records:
+        return []
+    last = records[-1]
+    images, seconds = sum(r.get("images") or 0 for r in records), sum(r.get("seconds") or 0 for r in records)
+    out = [
+        (
+            "last run",
+            f"{last.get('images')} images in {fmt(last.get('seconds'), 1)} s "
+            f"({last.get('images_per_s')} images/s), exit {last.get('exit_code')}",
+        ),
+    ]
+    if len(records) > 1 and seconds:
+        out.append(("all runs", f"{images} images in {seconds:.1f} s of wall time ({images / seconds:.3f} images/s)"))
+    return out
+
+
+def failed_section(store, failed: list[dict], rerun: str) -> list[str]:
+    if not failed:
+        return []
+    rows = [
+        f'<tr class="failed"><td>{s["index"]}</td><td class="text error">{escape(last_line(store, s))}</td></tr>'
+        for s in failed
+    ]
+    return [
+        "<h2>Failed shards</h2>",
+        '<table class="failures"><thead><tr><th>shard</th><th>error (last line)</th></tr></thead><tbody>',
+        *rows,
+        "</tbody></table>",
+        f'<p>Rerun them with:</p><pre class="cmd">{escape(rerun)}</pre>',
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
                 "finished_at": finished,
                 "stages": stage_seconds(st),
                 "data_bytes": st.get("data_bytes"),
+                "run_id": st.get("run_id"),
             }
         )
     done = [s for s in shards if s["status"] == "done"]

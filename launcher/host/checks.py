@@ -1,7 +1,5 @@
-"""Checks that need no weights, run once in the launcher before any worker starts (exit 2 on failure).
-
-They read configs, not weights: the model's config.json files, the prompt source, the output folder. A typo
-then costs seconds, not a model load on every chip.
+"""The job's own settings, the mesh's numbers against this host, and whether the output folder can be written:
+steps of the preflight (launcher/host/preflight.py), exit 2 on failure.
 """
 
 from __future__ import annotations
@@ -20,25 +18,16 @@ MODES = ("eager", "defer_and_fuse", "compile")
 CACHES = ("none", "taylorseer", "first_block", "magcache")
 
 
-def preflight(cfg) -> None:
-    from launcher.config import renamed_keys_notice
-    from launcher.host.model_checks import check_model
-
-    check_settings(cfg)
-    if notice := renamed_keys_notice(cfg):
-        logger.warning(notice)
-    check_mesh(cfg)
-    check_model(cfg)
-    from launcher.host.lora_checks import check_loras
-
-    check_loras(cfg)
-    check_output(cfg)
-
-
 def check_settings(cfg) -> None:
+    from omegaconf import OmegaConf
+
     from launcher.ledger.addresses import check_config
 
     check_config(cfg)  # first: an address with credentials in it must not reach any line or file
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is not set; give it on the command line ({missing[0]}=...) or in the job")
     g, r = cfg.generate, cfg.run
     for key, value in (
         ("generate.num_inference_steps", g.num_inference_steps),
@@ -95,7 +84,8 @@ def check_output_settings(o) -> None:
         )
 
 
-def check_mesh(cfg) -> None:
+def check_mesh(cfg, device: str | None = None, host: bool = True) -> None:
+    """The mesh's numbers (resolved), and (`host`) its processes against this host's chips."""
     dp, tp, nodes = cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.nodes
     low = [f"mesh.{k}={v}" for k, v in (("dp", dp), ("tp", tp), ("nodes", nodes)) if v < 1]
     if low:
@@ -107,10 +97,11 @@ def check_mesh(cfg) -> None:
             f"execution.offload={cfg.execution.offload} cannot combine with mesh.tp={tp}: offload "
             "moves whole models between host and chip; use mesh.tp=1 or execution.offload=none"
         )
-    from launcher.worker.dist import resolve_device
+    if device is None:
+        from launcher.worker.dist import resolve_device
 
-    device = resolve_device(cfg.device)
-    chips = local_chip_count(device)
+        device = resolve_device(cfg.device)
+    chips = local_chip_count(device) if host else None
     per_host = dp * tp // nodes
     if chips is not None and per_host > chips:
         raise ConfigError(

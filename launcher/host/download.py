@@ -13,36 +13,16 @@ import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
+from launcher.host.model_files import complete_in_cache, looks_like_hub_id
 
 logger = logging.getLogger(__name__)
-
-
-def looks_like_hub_id(path: str) -> bool:
-    # "org/name" or "name": a relative path with more parts, or one that starts like a path, is a path.
-    return path.count("/") <= 1 and not path.startswith(("/", ".", "~")) and not path.endswith("/")
-
-
-def cached_root(path: str) -> Path | None:
-    """The pipeline's folder without the network: `path` itself, or its cached snapshot; None if neither."""
-    p = Path(path)
-    if p.is_dir():
-        return p
-    if not looks_like_hub_id(path):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    # The snapshot folder that refs/main points to. Not snapshot_download(local_files_only=True): in
-    # huggingface_hub 2.4 that checks the snapshot against the repo's whole file list and calls a pipeline
-    # that diffusers downloaded (which skips e.g. text_encoder/generation_config.json) incomplete.
-    index = try_to_load_from_cache(path, "model_index.json")
-    return Path(index).parent if isinstance(index, str) else None
 
 
 def ensure_downloaded(path: str) -> None:
     """Download hub id `path` (the files its pipeline loads) unless the cache already has them all."""
     if Path(path).is_dir() or not looks_like_hub_id(path) or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return  # a folder, a typo'd path (model_checks says so), or offline: the cache is all there is
-    if _complete_in_cache(path):
+        return  # a folder, a typo'd path (the model step says so), or offline: the cache is all there is
+    if complete_in_cache(path):
         return  # downloaded before: no network at all, so a host without one runs from its cache
     from diffusers import DiffusionPipeline
     from huggingface_hub import constants, hf_hub_download
@@ -71,19 +51,6 @@ def ensure_downloaded(path: str) -> None:
             f"cannot download model.path {path} from {constants.ENDPOINT} ({first}); check the network, "
             f"or download it elsewhere (hf download {path}) into HF_HOME"
         ) from None
-
-
-def _complete_in_cache(path: str) -> bool:
-    from launcher.host.model_checks import _check_components
-
-    root = cached_root(path)
-    if root is None:
-        return False
-    try:
-        _check_components(path, root)  # every component's folder and weight files are there
-    except ConfigError:
-        return False
-    return True
 
 
 def _root_cause(e: BaseException, wanted: tuple[type, ...]) -> BaseException:

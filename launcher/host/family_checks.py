@@ -59,3 +59,34 @@ def check_family(cfg, fam: Family, what: str) -> None:
             f"mesh.tp={tp} shards nothing: {what} has no tensor-parallel plan for its text encoder, and "
             "model.shard_transformer is false; use mesh.tp=1 and mesh.dp for more chips"
         )
+
+
+def check_cache(cfg, family: Family) -> None:
+    """execution.staged and execution.cache: declared by the model's family, and the cache's options accepted by
+    diffusers' config class."""
+    if cfg.execution.staged and family.encode is None:
+        raise ConfigError(
+            f"execution.staged=true is not supported for this model (family {family.name} declares no separate "
+            "prompt encoding); use execution.staged=false"
+        )
+    name = cfg.execution.cache
+    if name == "none":
+        return
+    if name not in family.caches:
+        raise ConfigError(
+            f"execution.cache={name} is not supported for this model (family {family.name}; supported: "
+            f"{', '.join(family.caches) or 'none'}); use execution.cache=none or one of those"
+        )
+    from omegaconf import OmegaConf
+
+    from launcher.worker.cache import CONFIG_CLASSES, cache_config
+
+    options = OmegaConf.to_container(cfg.execution.cache_options)
+    try:
+        cache_config(name, options, cfg.generate.num_inference_steps)
+    except (TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"execution.cache_options={options} are not accepted by diffusers' {CONFIG_CLASSES[name]} ({first}); "
+            "fix or remove them"
+        ) from None

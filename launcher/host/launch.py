@@ -112,29 +112,24 @@ def run_hosts(cfg, args: list[str], logs=None) -> int:
     return code
 
 
-def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
+def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
+    """`pf`: the preflight's findings (launcher/host/preflight.py): the output folder, its ledger, the plan."""
     from launcher.host.card import write_card
-    from launcher.host.model_checks import size_rule
     from launcher.host.space import stopped_by_space
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
-    from launcher.ledger.plan import make_plan
+    from launcher.ledger.plan import make_plan, tidy
+    from launcher.ledger.stale import record_kept
     from launcher.ledger.states import Ledger, clean_tmp
-    from launcher.ledger.store import Store
     from launcher.workers import resolve_workers
 
+    cfg = pf.cfg
     if cfg.mesh.nodes > 1 and os.environ.get("NODE_RANK", "0") != "0":
         # One job over several hosts: the first host's launcher keeps the books (lock, plan, records, summary);
         # the others only run their workers.
         os.environ.update(plan_.env)
         return run_hosts(cfg, plan_.torchrun_args)
-    store, sizes = Store(cfg.output.dir), size_rule(cfg)
-    if not cfg.run.overwrite:
-        runs.check_run_json(store, cfg)
-    ledger = Ledger(store)
-    states = ledger.refresh()
-    _hold(cfg.testing.hold_after_ledger_read)
-    plan = make_plan(cfg, states, sizes)  # validates the source and the selection before any write
+    store, sizes, ledger, plan = pf.store, pf.sizes, pf.ledger, pf.plan
     index, _ = resolve_workers(cfg)
     start = time.time()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -148,18 +143,18 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                 )
             runs.discard_outputs(store)
             ledger = Ledger(store)
-            plan = make_plan(cfg, ledger.refresh(), sizes)
+            plan = make_plan(cfg, ledger.refresh(), sizes, store)
         runs.check_run_json(store, cfg)
-        rerun = [
-            "./launch.sh",
-            f"conf={conf}",
-            *(o for o in overrides if not o.startswith(("run.shards=", "run.overwrite="))),
-        ]
+        rerun = rerun_command(cfg, conf, overrides)
         full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
         full |= best_effort("the ledger's index", ledger.save_index)
         clean_tmp(store)
         if plan.stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
+            # Recorded, so that the same command without run.stale=keep then finds them done.
+            full |= best_effort(
+                "run.stale=keep", record_kept, store, {i: plan.shards[i].fingerprint for i in plan.stale}
+            )
         code = EXIT_OK
         if plan.selected and not full:
             code, full = generate(cfg, store, ledger, plan, run_id, start, plan_, sizes)
@@ -170,12 +165,30 @@ def supervise(cfg, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         full |= best_effort("the run's record", runs.write_record, store, record)
         full |= best_effort("the ledger's index", ledger.save_index)
         full |= best_effort("the dataset card", write_card, store, ledger.states)
+        if not other_live_runs(store, index):
+            best_effort("leftover plans", tidy, store)
     for line in lines:
         logger.info(line)
     last = stopped_by_space(cfg, store, ledger.states, run_id, full) if code == EXIT_SHARDS_FAILED else None
     if last:
         print(last, file=sys.stderr)  # the last line: what stopped the run and how to finish it
     return code
+
+
+def rerun_command(cfg, conf: str, overrides: list[str]) -> list[str]:
+    """The command that finishes this run from any folder: launch.sh and the paths as absolute as the run used them."""
+    from launcher.config import REPO_ROOT
+
+    paths = ("dataset.path", "output.dir", "model.path")
+    out = [str(REPO_ROOT / "launch.sh"), f"conf={conf}"]
+    for o in overrides:
+        key = o.partition("=")[0].lstrip("+")
+        if key in paths:
+            group, leaf = key.split(".")
+            o = f"{key}={cfg[group][leaf]}"
+        if key not in ("run.shards", "run.overwrite"):
+            out.append(o)
+    return out
 
 
 def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchPlan, sizes) -> tuple[int, bool]:
@@ -194,15 +207,6 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
             return run_hosts(cfg, plan_.torchrun_args, logs), False
     finally:
         best_effort("the removal of the run's plan", store.delete, plan_rel(run_id))
-
-
-def _hold(path: str | None) -> None:
-    """testing.hold_after_ledger_read: say so (`path`.waiting), then wait (at most 10 minutes) until `path` exists."""
-    if path:
-        open(f"{path}.waiting", "w").close()
-    deadline = time.monotonic() + 600
-    while path and not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
@@ -228,48 +232,76 @@ def set_tpu_launch_env(nnodes: int, nproc_per_node: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from launcher.logs import setup_logging
 
-    setup_logging(0, hub_progress=True)
+    setup_logging(0, hub_progress=True, who="launcher")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        from launcher.help import help_text
+
+        print(help_text())
+        return EXIT_OK
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        from launcher.config import load_config, split_args
-        from launcher.host.checks import check_settings, preflight
-        from launcher.worker.dist import resolve_device
+        show_cfg = _take_cfg_flag(argv)
+        from launcher.config import job_file, load_config, split_args
+        from launcher.host.preflight import preflight
 
         conf, overrides = split_args(argv)
         cfg = load_config(conf, overrides)
-        device = resolve_device(cfg.device) if not dry_run or cfg.device != "tpu" else "tpu"
-        check_settings(cfg)
-        mesh = prepare.plan_mesh_early(cfg, device, strict=not dry_run)  # before a download: a misfit costs no weights
-        if dry_run:
-            mesh = mesh or prepare.plan_mesh_now(cfg, device, strict=False)
-            plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
-            print("\n".join([mesh.line(), *(f"# mesh: {w}" for w in mesh.why)]))
-            from launcher.workers import resolve_workers
+        if show_cfg:
+            from omegaconf import OmegaConf
 
-            index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
-            print(f"# workers: index={index} count={count}")  # first: the torchrun command stays the last line
+            print(OmegaConf.to_yaml(cfg), end="")
+            return EXIT_OK
+        if job_file(conf):  # workers compose the same file, wherever they start
+            conf = str(job_file(conf))
+        pf = preflight(cfg, dry_run)  # every check, in order; a refusal is the run's only line
+        mesh = pf.mesh
+        plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), pf.device)
+        if dry_run:
+            print("\n".join(dry_run_lines(pf)))
             print("\n".join(plan_.describe(cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes, cfg.mesh.nodes)))
             return EXIT_OK
-        prepare.ensure_model(cfg)
-        mesh = mesh or prepare.plan_mesh_now(cfg, device)
-        preflight(cfg)  # first: a refusal is the run's only line
-        if cfg.mesh.nodes > 1:
-            from launcher.host.peers import check_store_port
-
-            check_store_port(int(os.environ.get("NODE_RANK", "0")))
         for line in (mesh.line(), *mesh.why):
             logger.info(line.removeprefix("# mesh: "))
-        if device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
+        if pf.device == "tpu":  # first: on a multi-host slice it decides NODE_RANK and MASTER_ADDR for torchrun
             set_tpu_launch_env(cfg.mesh.nodes, cfg.mesh.dp * cfg.mesh.tp // cfg.mesh.nodes)
-        plan_ = launch_plan(cfg, conf, prepare.worker_overrides(overrides, cfg, mesh), device)
-        return supervise(cfg, conf, overrides, plan_)
+        return supervise(pf, conf, overrides, plan_)
     except (ConfigError, LockHeld, OutputRefused) as e:
         from launcher.ledger.addresses import masked
 
         print(f"error: {masked(str(e))}", file=sys.stderr)  # an override Hydra cannot parse is shown whole
         return e.exit_code
+
+
+def _take_cfg_flag(argv: list[str]) -> bool:
+    """`--cfg job` (Hydra's spelling): removes it from argv; only `job` is known here."""
+    for i, arg in enumerate(argv):
+        if arg == "--cfg" or arg.startswith("--cfg="):
+            what = arg.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+            if what != "job":
+                raise ConfigError(f"--cfg {what or '(nothing)'}: only --cfg job is known here")
+            del argv[i : i + (1 if "=" in arg else 2)]
+            return True
+    return False
+
+
+def dry_run_lines(pf) -> list[str]:
+    """What a dry run says before the commands: device, mesh, the plan's size, this host's share."""
+    from launcher.workers import resolve_workers
+
+    cfg, plan = pf.cfg, pf.plan
+    lines = [f"# device: {pf.device} (device={cfg.device}), chip: {pf.mesh.chip.name}"]
+    lines += [pf.mesh.line(), *(f"# mesh: {w}" for w in pf.mesh.why), *pf.notes]
+    todo = plan.prompts(plan.selected)
+    counts = {st: sum(1 for s in plan.shards if s.status == st) for st in ("done", "failed", "stale")}
+    lines.append(
+        f"# plan: {len(plan.selected)} of {len(plan.shards)} shards to generate ({todo} prompts, "
+        f"{todo * cfg.generate.images_per_prompt} images); " + ", ".join(f"{n} {st}" for st, n in counts.items())
+    )
+    index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
+    lines.append(f"# workers: index={index} count={count}")  # last: the torchrun command follows
+    return lines
 
 
 if __name__ == "__main__":

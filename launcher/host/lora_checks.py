@@ -15,16 +15,15 @@ from launcher.loras import lora_file, lora_refs
 logger = logging.getLogger(__name__)
 
 
-def check_loras(cfg) -> None:
+def check_loras(cfg, root) -> None:
+    """`root`: the pipeline's folder on this host."""
     refs = lora_refs(cfg)
     if not refs:
         return
-    from launcher.host.model_checks import model_dir
     from launcher.models import family_of, pipeline_class
     from launcher.worker.lora import LoraError, factors, loader_class
 
     files = [lora_file(r) for r in refs]  # first: a missing file is the plainest mistake
-    root = model_dir(cfg.model.path)
     cls = pipeline_class(root)
     if loader_class(cls) is None:
         raise ConfigError(

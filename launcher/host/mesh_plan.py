@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from launcher.errors import ConfigError
 from launcher.host import memory
@@ -53,19 +52,21 @@ class MeshPlan:
 
 
 def gib(n: int) -> str:
-    """Tenths of a GiB, or two significant digits for the tiny models (0.00043), so that no part reads 0.0."""
+    """Tenths of a GiB; "<0.1" for the tiny models' parts, so that none reads 0.0 nor 9e-05."""
     x = n / memory.GIB
-    return f"{x:.1f}" if x >= 0.1 or x == 0 else f"{x:.2g}"
+    return f"{x:.1f}" if x >= 0.1 or x == 0 else "<0.1"
 
 
-def plan_mesh(cfg, device: str, root: Path | None, strict: bool = True) -> MeshPlan:
-    """Resolve `auto` in cfg.mesh (written back as numbers), and refuse a mesh whose weights do not fit."""
+def plan_mesh(cfg, device: str, comps: dict | None, strict: bool = True) -> MeshPlan:
+    """Resolve `auto` in cfg.mesh (written back as numbers), and refuse a mesh whose weights do not fit.
+
+    `comps`: the model's components as (library, class, config), None where not known yet."""
     dp, tp = cfg.mesh.dp, cfg.mesh.tp  # numbers or "auto" (load_config checked)
     low = [f"mesh.{k}={v}" for k, v in (("dp", dp), ("tp", tp), ("nodes", cfg.mesh.nodes)) if v != "auto" and v < 1]
     if low:  # as check_mesh says it, which runs later, on numbers
         raise ConfigError(f"{' and '.join(low)} must be at least 1 (processes = mesh.dp * mesh.tp)")
     chip = detect_chip(cfg, device)
-    comps = memory.components(cfg.model.path, root)
+    comps = {k: v for k, v in comps.items() if memory.bucket(k)} if comps else None
     if comps is not None and not _countable(comps):
         comps = None
     why = []
@@ -92,7 +93,7 @@ def plan_mesh(cfg, device: str, root: Path | None, strict: bool = True) -> MeshP
             )
             if strict:
                 raise ConfigError(misfit)
-            plan.why.append(f"would be refused: {misfit}")  # a dry run only says so (it exits 0)
+            plan.why.append(f"would be refused: {misfit}")
     return plan
 
 
@@ -232,6 +233,23 @@ def _auto_tp(cfg, device: str, chip: Chip, comps: dict | None) -> tuple[int, str
     return tp, (
         f"the smallest tp that divides the sharded heads and fits: {need_gib(cfg, rank_bytes(cfg, comps, tp)):.1f} "
         f"GiB per rank of {usable_gib(cfg, chip, 1):.1f} GiB usable{smaller}"
+    )
+
+
+# Which device each named chip belongs to (a name not here is not checked against the device).
+CHIP_DEVICE = {"v5e": "tpu", "v5p": "tpu", "v6e": "tpu", "v7x": "tpu", "h100": "cuda", "h200": "cuda", "cpu": "cpu"}
+
+
+def check_chip(cfg, device: str) -> None:
+    """A named mesh.chip must be a chip of the device the workers run on (explicit, or what device=auto found)."""
+    name = str(cfg.mesh.chip).lower()
+    kind = CHIP_DEVICE.get(name)
+    if kind is None or kind == device:
+        return
+    found = f"device=auto found {device} on this host" if cfg.device == "auto" else f"device={device}"
+    raise ConfigError(
+        f"mesh.chip={name} is a {kind} chip but {found}; set device={kind} (a dry run then shows the {kind} "
+        f"launch), or mesh.chip=auto to plan for this host's {device}"
     )
 
 

@@ -37,7 +37,7 @@ class Progress:
         self._bar = tqdm(
             total=total,
             unit="img",
-            desc="generating",
+            desc="starting workers",
             dynamic_ncols=True,
             mininterval=1 if interactive else 30,
             smoothing=0.1,
@@ -46,10 +46,20 @@ class Progress:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def __enter__(self):
+        from launcher.host.terminal import stage_listeners
+
+        stage_listeners.append(self._stage)  # rank 0's stages before its first image: loading, compile warm-up
         self._thread.start()
         return self
 
+    def _stage(self, text: str) -> None:
+        if self._bar.n == 0:  # once images flow, the bar's rate and ETA say the rest
+            self._bar.set_description_str(text)
+
     def __exit__(self, *exc):
+        from launcher.host.terminal import stage_listeners
+
+        stage_listeners.remove(self._stage)
         self._stop.set()
         self._thread.join()
         self._update()
@@ -66,6 +76,8 @@ class Progress:
         mine = [st for st in self.ledger.refresh().values() if st.get("run_id") == self.run_id]
         done = sum(st["rows"] for st in mine if st["status"] == "done")
         self._bar.set_postfix(failed_shards=sum(st["status"] == "failed" for st in mine), refresh=False)
+        if done and not self._bar.n:
+            self._bar.set_description_str("generating", refresh=False)
         self._bar.update(done - self._bar.n)
 
 
@@ -107,6 +119,8 @@ def summarize(
         for k, v in st.get("stages", {}).items():
             stages[k] = round(stages.get(k, 0.0) + v, 3)
     truncated = sum(st.get("truncated") or 0 for st in ran.values() if st["status"] == "done")
+    began = [st["started_at"] for st in ran.values() if st.get("started_at")]
+    startup = round(min(began) - start, 2) if began else None  # launch, imports, model load: no shard's time
     open_ = [i for i in plan.selected if status[i] != "done"]
     elsewhere = {i: w for i in open_ if (w := held_elsewhere(store, i, run_id)) is not None}
     failed = [i for i in open_ if status[i] == "failed" and i not in elsewhere]
@@ -130,6 +144,7 @@ def summarize(
         "seconds": round(wall, 2),
         "images_per_s": round(images / wall, 3) if wall else None,
         "stages": stages,
+        "startup_s": startup,
         "truncated_prompts": truncated,
         "code": code_version(),
         "versions": versions(),
@@ -138,7 +153,9 @@ def summarize(
         f"shards: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"
         + (f", {counts['stale']} stale (kept)" if counts["stale"] else ""),
         f"this run: {images} images from {len(ran)} shards in {wall:.1f} s ({record['images_per_s']} images/s)",
-        "time per stage (s, summed over shards): " + ", ".join(f"{k} {v}" for k, v in stages.items()),
+        "time per stage (s, summed over shards): "
+        + ", ".join(f"{k} {v}" for k, v in stages.items())
+        + (f"; start-up {startup} s (launch to the first shard: imports, model load)" if startup is not None else ""),
         f"outputs: {store}",
     ]
     if truncated:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from launcher.ledger.store import Store
-from launcher.logs import RANK_LOGS_ENV, SHARD_EVENTS
+from launcher.logs import RANK_LOGS_ENV, SHARD_EVENTS, STAGE_EVENTS
 
 logger = logging.getLogger(__name__)
 LOGS_DIR = "logs"
@@ -41,15 +41,34 @@ _SHOWN_LEVELS = ("WARNING", "ERROR", "CRITICAL")
 
 
 def shown_by_default(line: str) -> bool:
-    """A shard event, a warning or an error; not the routine lines, continuation lines or libraries' prints."""
+    """A shard event, our own warnings and errors; not the routine lines, continuation lines, libraries' prints or
+    libraries' warnings (a hub retry: the worker's log has it, the terminal gets the final error)."""
     m = _RECORD.match(line)
-    return bool(m) and (m["name"] == SHARD_EVENTS or m["level"] in _SHOWN_LEVELS)
+    ours = bool(m) and m["name"].startswith(("launcher.", "jobs.", "meshgen.", "__main__"))
+    return ours and (m["name"] == SHARD_EVENTS or m["level"] in _SHOWN_LEVELS)
+
+
+def stage_of(line: str) -> str | None:
+    """The stage a rank-0 worker line announces (launcher/logs.py's STAGE_EVENTS), else None."""
+    m = _RECORD.match(line)
+    if m and m["name"] == STAGE_EVENTS and line.startswith("[rank0] "):
+        return line[m.end() :].strip()
+    return None
+
+
+# Where announced stages go: the progress bar's description (launcher/host/summary.py's Progress sets it).
+stage_listeners: list = []
 
 
 class _BarSafe:
     """A text stream whose lines go through tqdm.write, so they appear above the bar instead of through it."""
 
     def write(self, text: str) -> None:
+        stage = stage_of(text)
+        if stage is not None:
+            for listener in stage_listeners:
+                listener(stage)
+            return
         tqdm.write(text.rstrip("\n"), file=sys.stderr)
 
     def flush(self) -> None:
@@ -76,7 +95,7 @@ class RankLogs(LogsSpecs):
             base = self.folder / f"rank-{env.get('RANK', local)}"
             dest.stdouts[local], dest.stderrs[local] = f"{base}.stdout.log", f"{base}.log"
             dest.error_files[local] = env["TORCHELASTIC_ERROR_FILE"] = f"{base}.error.json"
-        keep = (lambda _: True) if self.verbose else shown_by_default
+        keep = (lambda _: True) if self.verbose else (lambda line: shown_by_default(line) or stage_of(line) is not None)
         prefixes = {local: f"[rank{env.get('RANK', local)}] " for local, env in envs.items()}
         for files, prefix in ((dest.stderrs, {k: "" for k in envs}), (dest.stdouts, prefixes)):
             # Lines of the stderr files carry their rank already (launcher/logs.py's format); stdout's do not.
@@ -127,6 +146,10 @@ def launch_workers(args, logs: WorkerLogs | None = None) -> None:
     """What torch.distributed.run.run does with parsed torchrun arguments, with our LogsSpecs when given."""
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
+
+    from launcher.logs import quiet_torch_elastic
+
+    quiet_torch_elastic()  # after the imports that create its loggers
 
     if args.standalone:  # as torch.distributed.run.run: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

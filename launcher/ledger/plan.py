@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from launcher.errors import ConfigError
+from launcher.ledger import stale as stale_mod
 from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches, run_folder
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
 from launcher.ledger.states import select_shards, state_token
@@ -102,6 +103,8 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
     if state.get("status") != "done":
         return "failed"
     fp = state.get("prompts_fingerprint")
+    if stale_mod.is_kept(state, fingerprint):  # run.stale=keep kept it for exactly these prompts
+        return "done"
     # A shard done in full is done under any dataset.limit.
     if same_prompts(fp, table, fingerprint) or (whole is not table and same_prompts(fp, whole)):
         return "done"
@@ -111,16 +114,22 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
     return "stale"
 
 
-def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Plan:
-    """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source)."""
-    shards = []
+def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store: Store | None = None) -> Plan:
+    """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source).
+
+    `store`: where a refusal of stale shards reads which samples changed."""
+    shards, stale_tables = [], {}
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
         fp = prompts_fingerprint(t)
         st = states.get(i)
         shards.append(ShardPlan(i, t.num_rows, fp, shard_status(st, t, whole, fp), state_token(st)))
+        if shards[-1].status == "stale" and len(stale_tables) < stale_mod.SHOWN:
+            stale_tables[i] = t
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
+    if stale and cfg.run.stale == "error" and selection != "all":
+        stale_mod.refuse(cfg, store, stale, stale_tables)
     return Plan(shards, select_shards(status, selection, cfg.run.stale), stale)
 
 
@@ -149,6 +158,23 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
                 writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else table)
             if i >= last:
                 break
+
+
+def tidy(store: Store) -> None:
+    """At the end of a run that no other live run shares the folder with: the plan files that killed runs left
+    (kill -9 skips their removal), and the empty claims/ and plans/ folders of a finished one."""
+    import os
+
+    from launcher.ledger.states import CLAIMS_DIR
+
+    for info in store.files(PLANS_DIR, ".arrow"):
+        store.delete(f"{PLANS_DIR}/{info.base_name}")
+    if store.is_local:  # an object store has no folders
+        for name in (PLANS_DIR, CLAIMS_DIR):
+            try:
+                os.rmdir(store.local(name))
+            except OSError:  # not empty (claims of shards), or not there
+                pass
 
 
 class PlanFile:

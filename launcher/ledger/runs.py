@@ -13,7 +13,7 @@ import time
 from launcher.errors import ConfigError
 from launcher.ledger.shards import settings, settings_diff, settings_fingerprint
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, INDEX, STATE_DIR, WDS_DIR
-from launcher.ledger.store import Store
+from launcher.ledger.store import TMP_MARK, Store
 
 RUNS_DIR = "runs"
 
@@ -28,6 +28,27 @@ def versions() -> dict:
         except PackageNotFoundError:
             pass
     return out
+
+
+# What a meshgen folder may hold before its first run.json is written (a run stopped in its first seconds).
+EARLY = {"locks", "claims", "plans", "logs", "runs", STATE_DIR}
+
+
+def check_ours(store: Store) -> None:
+    """Refuse a non-empty folder that is not meshgen's (no run.json): a run would write into it, and replace a
+    README.md of its own (a cloned dataset repo, say) with the dataset card. Nothing is written to check."""
+    import pyarrow.fs as pafs
+
+    if store.exists("run.json"):
+        return
+    infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
+    foreign = sorted(i.base_name for i in infos if i.base_name not in EARLY and not i.base_name.startswith(TMP_MARK))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"output.dir {store} is not empty and is not a meshgen folder (no run.json; it holds {shown}); "
+            "choose an empty or new folder"
+        )
 
 
 def check_run_json(store: Store, cfg) -> None:

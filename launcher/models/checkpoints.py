@@ -184,6 +184,8 @@ _QWEN25_VL_7B = dict(
 )
 
 _D, _T = "diffusers", "transformers"
+# The class defaults (the published configs), spelt out where the size check reads them (its VAE's scale factor).
+_FLUX2_VAE = {"block_out_channels": [128, 256, 512, 512]}
 _FLUX1 = {
     "text_encoder": (_T, "CLIPTextModel", _CLIP_L),
     "text_encoder_2": (_T, "T5EncoderModel", _T5_XXL),
@@ -201,12 +203,12 @@ PUBLISHED: dict[str, dict[str, Component]] = {
     "black-forest-labs/FLUX.2-dev": {
         "transformer": (_D, "Flux2Transformer2DModel", _FLUX2_DEV_TRANSFORMER),
         "text_encoder": (_T, "Mistral3ForConditionalGeneration", _MISTRAL_SMALL_3),
-        "vae": (_D, "AutoencoderKLFlux2", {}),
+        "vae": (_D, "AutoencoderKLFlux2", _FLUX2_VAE),
     },
     "black-forest-labs/FLUX.2-klein-4B": {
         "transformer": (_D, "Flux2Transformer2DModel", _FLUX2_KLEIN_4B_TRANSFORMER),
         "text_encoder": (_T, "Qwen3ForCausalLM", _QWEN3_4B),
-        "vae": (_D, "AutoencoderKLFlux2", {}),
+        "vae": (_D, "AutoencoderKLFlux2", _FLUX2_VAE),
     },
     "black-forest-labs/FLUX.1-schnell": {
         "transformer": (_D, "FluxTransformer2DModel", {**_FLUX1_TRANSFORMER, "guidance_embeds": False}),
@@ -225,12 +227,28 @@ PUBLISHED: dict[str, dict[str, Component]] = {
         **_SD3,
     },
     "Qwen/Qwen-Image": {
-        "transformer": (_D, "QwenImageTransformer2DModel", {}),
+        "transformer": (_D, "QwenImageTransformer2DModel", {"patch_size": 2}),
         "text_encoder": (_T, "Qwen2_5_VLForConditionalGeneration", _QWEN25_VL_7B),
-        "vae": (_D, "AutoencoderKLQwenImage", {}),
+        "vae": (_D, "AutoencoderKLQwenImage", {"temperal_downsample": [False, True, True]}),
     },
 }
 
 
 def published(hub_id: str) -> dict[str, Component] | None:
     return PUBLISHED.get(hub_id)
+
+
+# hub id -> its pipeline class (model_index.json's _class_name), which names its family (launcher/models/).
+PIPELINES = {
+    "black-forest-labs/FLUX.2-dev": "Flux2Pipeline",
+    "black-forest-labs/FLUX.2-klein-4B": "Flux2KleinPipeline",
+    "black-forest-labs/FLUX.1-schnell": "FluxPipeline",
+    "black-forest-labs/FLUX.1-dev": "FluxPipeline",
+    "stabilityai/stable-diffusion-3.5-medium": "StableDiffusion3Pipeline",
+    "stabilityai/stable-diffusion-3.5-large": "StableDiffusion3Pipeline",
+    "Qwen/Qwen-Image": "QwenImagePipeline",
+}
+
+
+def published_pipeline(hub_id: str) -> str:
+    return PIPELINES.get(hub_id, "")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from launcher.logs import STAGE_EVENTS
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -80,7 +82,9 @@ def load_pipeline(cfg, device: torch.device, mesh):
     tp, dp = cfg.mesh.tp, cfg.mesh.dp
     classes = component_classes(path)
     parts = {}
+    stage = logging.getLogger(STAGE_EVENTS)  # the launcher's bar shows rank 0's
     if tp > 1 and cfg.model.shard_transformer and "transformer" in classes:
+        stage.info("loading transformer")
         from diffusers import TensorParallelConfig
 
         with cpu_tp_shims(device.type):
@@ -95,6 +99,7 @@ def load_pipeline(cfg, device: torch.device, mesh):
     if tp > 1 and cfg.model.shard_text_encoder and te_cls is not None and text_encoder_has_tp_plan(path, te_cls):
         from transformers import DistributedConfig
 
+        stage.info("loading text_encoder")
         # transformers builds its own (dp, tp) mesh with the same tp groups as ours on CPU and CUDA; on TPU
         # its groups may not follow our topology-aware layout, which costs speed, not correctness.
         parts["text_encoder"] = te_cls.from_pretrained(
@@ -107,7 +112,10 @@ def load_pipeline(cfg, device: torch.device, mesh):
     for lib, _ in component_classes(path).values():  # our own components (a tiny model's processor) by name
         if lib.startswith("launcher.models."):
             importlib.import_module(lib)
+    rest = [c for c in classes if c not in parts]
+    stage.info("loading %s", ", ".join(rest) if rest else "the pipeline")
     pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
+    stage.info("placing on %s", device)
     place(pipe, cfg, device)
     if cfg.model.get("loras"):
         from launcher.worker.lora_fuse import fuse_configured

@@ -24,6 +24,7 @@ from launcher.ledger.claims import Claims
 from launcher.ledger.plan import PlanFile, plan_rel
 from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
+from launcher.logs import STAGE_EVENTS
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
@@ -34,6 +35,7 @@ from launcher.worker.timing import StageTimer
 from launcher.workers import resolve_workers
 
 logger = logging.getLogger(__name__)
+stage = logging.getLogger(STAGE_EVENTS)  # what rank 0 is doing before its first image: the launcher's bar shows it
 WARMUP_STEPS = 2  # enough to trace every graph of a denoising step; steps are not part of the shape
 
 
@@ -56,6 +58,7 @@ class Worker:
     rescanned: bool = False
     compile_stats: CompileStats = field(default_factory=CompileStats)
     warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
+    load_seconds: float = 0.0  # the model load, until a shard's stages report it
 
 
 def run_worker(cfg) -> int:
@@ -101,10 +104,13 @@ def run_worker(cfg) -> int:
         writers_here = max(1, cfg.mesh.dp // cfg.mesh.nodes)
         n_enc = cfg.output.encode_workers or default_encode_workers(writers_here)
         writer = BackgroundWriter(store, cfg.output, n_enc, claims.release, claims.still_held, claims.drop)
+    t0 = time.perf_counter()
     w.pipe = pipe = load_pipeline(cfg, device, mesh)
     w.timer, w.writer = StageTimer(pipe, device), writer
     apply_cache(pipe, cfg)
     apply_compile(pipe, cfg, device_type, w.compile_stats)
+    w.load_seconds = time.perf_counter() - t0  # counted in this worker's first shard's stages
+    stage.info("compile warm-up" if cfg.execution.mode == "compile" else "generating")
     code = EXIT_OK
     i = first
     while i is not None:
@@ -179,6 +185,7 @@ def _warm_up(w: Worker, batch, step) -> float:
     w.timer.add(stages)
     seconds = time.perf_counter() - t0
     logger.info("warmed up shape %s in %.2f s (%d compiles so far)", key, seconds, w.compile_stats.compiles)
+    stage.info("generating")
     return seconds
 
 
@@ -189,6 +196,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     if groups.is_writer:
         logger.info("shard %d: generating %d prompts", shard.index, len(shard.rows))
         ledger.clean_tmp(w.store, shard.index)
+    started_at = time.time()
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
     samples, error, job = [], None, job_of(cfg.job)
@@ -230,13 +238,15 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         "attempt": w.claims.attempt(shard.index),  # which claim wrote it: see launcher/ledger/claims.py
         "seconds": round(seconds, 4),
         "images_per_s": None if error else round(len(ids) / seconds, 3),
-        "stages": {**w.timer.take(), "warmup": round(warmup, 4)},
+        "stages": {"load": round(w.load_seconds, 4), **w.timer.take(), "warmup": round(warmup, 4)},
+        "started_at": round(started_at, 3),
         "compiles": w.compile_stats.compiles - compiles,
         "compile_cache_hits": cache_hits() - hits,
         "truncated": truncated,
     }
     if error:
         state.update(error=error.splitlines()[0], traceback=error)
+    w.load_seconds = 0.0
     order = {sid: k for k, sid in enumerate(ids)}
     w.writer.submit(ShardJob(shard.index, shard.name, [] if error else samples, state, order))
     return error is None

@@ -1,0 +1,77 @@
+"""Done shards whose prompts changed: which samples changed, what the likely cause is, and `run.stale=keep` recorded.
+
+A shard's state keeps only its prompts' fingerprint; which samples changed is read back from its Parquet data
+(two columns), for the first few stale shards only, and only when the run is about to refuse them.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from launcher.errors import ConfigError
+from launcher.ledger.states import DATA_DIR, read_state, state_rel
+from launcher.ledger.store import Store
+
+SHOWN = 5  # sample ids named in the message
+KEPT = "kept_fingerprint"  # the state's record of run.stale=keep: the changed prompts it was kept for
+
+
+def is_kept(state: dict, fingerprint: str) -> bool:
+    return state.get(KEPT) == fingerprint
+
+
+def record_kept(store: Store, shards: dict[int, str]) -> None:
+    """run.stale=keep, recorded in each kept shard's state (shard -> the new prompts' fingerprint), so that the same
+    command without it finds them done. The images stay what they were; `prompts_fingerprint` stays theirs."""
+    for i, fingerprint in shards.items():
+        state = read_state(store, i)
+        if state is not None and state.get("status") == "done":
+            store.write_json(state_rel(i), {**state, KEPT: fingerprint})
+
+
+def changed_ids(store: Store | None, index: int, table: pa.Table) -> tuple[list[str], bool]:
+    """(the prompt ids of shard `index` whose prompt changed, was added or removed; whether the change looks like
+    shifted row numbers: most changed prompts are still there, under other ids)."""
+    if store is None:
+        return [], False
+    try:
+        old = store.parquet(f"{DATA_DIR}/shard-{index:05d}.parquet")
+        names = old.schema_arrow.names
+        key = "prompt_id" if "prompt_id" in names else "id"
+        rows = old.read(columns=[key, "prompt"]).to_pylist()
+    except (OSError, ValueError, pa.ArrowException):
+        return [], False  # no data to compare (image files only): the message names the shard alone
+    before = {r[key]: r["prompt"] for r in rows}
+    now = dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist(), strict=True))
+    changed = [i for i in now if before.get(i) != now[i]] + [i for i in before if i not in now]
+    moved = sum(1 for i in changed if i in now and now[i] in before.values())
+    return changed, len(changed) > 1 and moved * 2 >= len(changed)
+
+
+def stale_message(cfg, stale: dict[int, tuple[list[str], bool] | None]) -> str:
+    """The refusal of a run over stale shards (shard -> (changed ids, shifted?), None where not looked at)."""
+    ids = [i for found in stale.values() if found for i in found[0]]
+    unread = any(found is None for found in stale.values())
+    named = ""
+    if ids:
+        more = " and more" if unread else f" and {len(ids) - SHOWN} more" if len(ids) > SHOWN else ""
+        named = f" (samples {', '.join(ids[:SHOWN])}{more})"
+    shifted = ""
+    if cfg.dataset.id_column is None and any(found and found[1] for found in stale.values()):
+        shifted = (
+            "; the prompts look shifted, as by a line inserted or deleted before them (ids are row numbers): "
+            "set dataset.id_column to a column of stable ids so that done work keeps its ids"
+        )
+    return (
+        f"shards {sorted(stale)} are done but their prompts changed since{named}{shifted}; rerun with "
+        "run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
+    )
+
+
+def refuse(cfg, store: Store | None, stale: list[int], tables: dict[int, pa.Table]) -> None:
+    """Raise the stale refusal, naming up to SHOWN changed samples of the first stale shards (`tables`)."""
+    found, shown = {}, 0
+    for i in stale:
+        found[i] = changed_ids(store, i, tables[i]) if shown < SHOWN and i in tables else None
+        shown += len(found[i][0]) if found[i] else 0
+    raise ConfigError(stale_message(cfg, found))
