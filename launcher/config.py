@@ -67,6 +67,8 @@ class GenerateConfig:
     batch_size: int = 1  # prompts per pipeline call: a call denoises batch_size * images_per_prompt images
     seed: int = 0
     images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
+    # key -> values: every prompt at every combination, samples <base id>@<v> (launcher/ledger/sweep.py)
+    sweep: Any = None
 
 
 @dataclass

@@ -23,12 +23,14 @@ CACHES = ("none", "taylorseer", "first_block", "magcache")
 def preflight(cfg) -> None:
     from launcher.config import renamed_keys_notice
     from launcher.host.model_checks import check_model
+    from launcher.host.sweep_checks import check_sweep_model
 
     check_settings(cfg)
     if notice := renamed_keys_notice(cfg):
         logger.warning(notice)
     check_mesh(cfg)
     check_model(cfg)
+    check_sweep_model(cfg)
     check_output(cfg)
 
 
@@ -60,6 +62,9 @@ def check_settings(cfg) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     check_output_settings(cfg.output)
+    from launcher.ledger.sweep import check_sweep
+
+    check_sweep(g, cfg.model.get("loras") or [])
 
 
 def check_output_settings(o) -> None:

@@ -180,7 +180,9 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     from launcher.host.terminal import WorkerLogs
     from launcher.ledger.plan import plan_rel, write_plan_file
 
-    samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt
+    from launcher.ledger.sweep import n_variants
+
+    samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt * n_variants(cfg.generate)
     logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
     warn_if_short(cfg, store, samples)
     if best_effort("the run's plan", write_plan_file, store, plan_rel(run_id), cfg, plan, sizes):

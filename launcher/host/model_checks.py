@@ -96,10 +96,14 @@ def size_multiple(root: Path) -> int | None:
 def size_rule(cfg):
     """The checks of per-row sizes (launcher/ledger/prompts.py), from the model's configs."""
     from launcher.ledger.prompts import SizeRule
+    from launcher.ledger.sweep import sweep_of
 
     root = model_dir(cfg.model.path)
     fam = family_of_folder(root)
-    return SizeRule(size_multiple(root) or 1, fam.max_pixels, cfg.generate.height, cfg.generate.width)
+    # A row that sets one side is checked against the largest value the other side takes (swept or not).
+    swept = sweep_of(cfg.generate)
+    h, w = (max(swept.get(k, [cfg.generate[k]])) for k in ("height", "width"))
+    return SizeRule(size_multiple(root) or 1, fam.max_pixels, h, w)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")

@@ -48,8 +48,11 @@ class Plan:
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    d = cfg.dataset
-    return Source(d.path, d.prompt_column, d.id_column, sizes, cfg.generate.images_per_prompt)
+    from launcher.ledger.sweep import n_variants, raw_sweep
+
+    d, g = cfg.dataset, cfg.generate
+    variants = n_variants(g) if raw_sweep(g) else 0
+    return Source(d.path, d.prompt_column, d.id_column, sizes, g.images_per_prompt, variants)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -107,8 +110,11 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
 
 def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None) -> Plan:
     """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source)."""
+    from launcher.ledger.sweep import check_sweep_columns
+
     shards = []
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+        check_sweep_columns(t, cfg)
         fp = prompts_fingerprint(t)
         shards.append(ShardPlan(i, t.num_rows, fp, shard_status(states.get(i), t, whole, fp)))
     status = {s.index: s.status for s in shards}

@@ -43,6 +43,7 @@ class Source:
     id_column: str | None = None
     sizes: SizeRule | None = None
     images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
+    variants: int = 0  # with generate.sweep: V, and sample ids <base id>@<v> must not either
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,11 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if ids:
         _check_unique(pa.chunked_array(ids, pa.string()), src, files)
-        if src.images_per_prompt > 1:
+        if src.images_per_prompt > 1 or src.variants:
             from launcher.ledger.shards import check_sample_ids
 
-            check_sample_ids((i.as_py() for c in ids for i in c), src.images_per_prompt, f"dataset {src.path}")
+            where, n = f"dataset {src.path}", src.images_per_prompt
+            check_sample_ids((i.as_py() for c in ids for i in c), n, where, src.variants)
 
 
 def read_prompts(

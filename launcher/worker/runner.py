@@ -25,6 +25,7 @@ from launcher.ledger.claims import Claims
 from launcher.ledger.plan import PlanFile, plan_rel
 from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
+from launcher.ledger.sweep import n_variants, raw_sweep
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
@@ -192,7 +193,9 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
     samples, error = [], None
-    steps = shard_steps(w.pipe, make_batches(shard.rows, cfg.generate), cfg)
+    loras = tuple(float(lo.get("scale", 1.0)) for lo in cfg.model.get("loras") or [])
+    # set_lora_scales: the hook that re-fuses LoRAs per swept scale, once that exists (launcher/host/sweep_checks.py)
+    steps = shard_steps(w.pipe, make_batches(shard.rows, cfg.generate, loras), cfg, set_lora_scales=None)
     for batch, step in steps:
         local = mark = None
         try:
@@ -214,12 +217,12 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
     prompts = [r["prompt"] for r in shard.rows]
     truncated = None if error else count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
-    n = cfg.generate.images_per_prompt
-    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n)]
+    n, v = cfg.generate.images_per_prompt, n_variants(cfg.generate) if raw_sweep(cfg.generate) else 0
+    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n, v)]
     state = {
         "status": "failed" if error else "done",
         "rows": len(ids),  # images
-        **({"prompts": len(shard.rows)} if n > 1 else {}),
+        **({"prompts": len(shard.rows)} if n > 1 or v else {}),
         "prompts_fingerprint": shard.fingerprint,
         "run_id": w.run_id,
         "seconds": round(seconds, 4),

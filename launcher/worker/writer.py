@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import tarfile
@@ -50,8 +51,31 @@ SCHEMA_N = SCHEMA.insert(1, pa.field("prompt_id", pa.string())).with_metadata(
 )
 
 
+# With generate.sweep, also the variant and the swept settings beyond SCHEMA's own columns (where swept).
+_SWEEP_COLUMNS = {
+    "variant": (pa.int32(), {"dtype": "int32", "_type": "Value"}),
+    "true_cfg_scale": (pa.float32(), {"dtype": "float32", "_type": "Value"}),
+    "lora_scales": (pa.list_(pa.float32()), {"feature": {"dtype": "float32", "_type": "Value"}, "_type": "List"}),
+}
+
+
 def schema_of(samples: list[dict]) -> pa.Schema:
-    return SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
+    if not samples or "prompt_id" not in samples[0]:
+        return SCHEMA
+    extra = tuple(k for k in _SWEEP_COLUMNS if k in samples[0])
+    return _sweep_schema(extra) if extra else SCHEMA_N
+
+
+@functools.cache
+def _sweep_schema(extra: tuple[str, ...]) -> pa.Schema:
+    """SCHEMA_N with `variant` after `prompt_id` and the other swept columns before `image`."""
+    schema = SCHEMA_N.insert(2, pa.field("variant", _SWEEP_COLUMNS["variant"][0]))
+    for k in extra:
+        if k != "variant":
+            schema = schema.insert(schema.get_field_index("image"), pa.field(k, _SWEEP_COLUMNS[k][0]))
+    features = {**_HF_FEATURES_N, **{k: f for k, (_, f) in _SWEEP_COLUMNS.items()}}
+    features = {f.name: features[f.name] for f in schema}
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
 def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> int | None:
