@@ -179,7 +179,6 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
     from launcher.host.terminal import WorkerLogs
     from launcher.ledger.plan import plan_rel, write_plan_file
-
     from launcher.ledger.sweep import n_variants
 
     samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt * n_variants(cfg.generate)
