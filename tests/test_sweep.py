@@ -220,3 +220,31 @@ def test_batches_share_their_rows_and_seeds_across_variants():
     assert len(batches) == 8 and len({(b.chunk, tuple(b.seeds)) for b in batches}) == 2
     samples = batches[5].samples(np.zeros((2, 64, 64, 3)))
     assert [s["id"] for s in samples] == ["2@1"] and samples[0]["guidance_scale"] == 2.0
+
+
+def test_lora_scale_and_true_cfg_sweeps_plan_their_batches_and_columns():
+    import datasets
+    import pyarrow as pa
+    from omegaconf import OmegaConf
+
+    from jobs.text_to_image import make_batches
+    from launcher.host.sweep_checks import check_sweep_model
+    from launcher.worker.writer import schema_of
+
+    gen = load_config("tiny", ["generate.sweep={true_cfg_scale:[1.0,2.0],lora_scale.1:[0.5,1.0]}"]).generate
+    batches = make_batches([{"id": "a", "prompt": "p"}], gen, lora_scales=(1.0, 0.8))
+    assert [(b.settings["true_cfg_scale"], b.lora_scales) for b in batches] == [
+        (1.0, (1.0, 0.5)), (1.0, (1.0, 1.0)), (2.0, (1.0, 0.5)), (2.0, (1.0, 1.0)),
+    ]  # fmt: skip
+    assert len({b.chunk for b in batches}) == 1  # one encoding for all four (per LoRA scales, once fusing follows)
+    samples = [s | {"image": None} for b in batches for s in b.samples(np.zeros((2, 64, 64, 3)))]
+    assert [(s["id"], s["lora_scales"], s["true_cfg_scale"]) for s in samples][1] == ("a@1", [1.0, 1.0], 1.0)
+    schema = schema_of(samples)
+    table = pa.Table.from_pylist([{k: s.get(k) for k in schema.names} for s in samples], schema=schema)
+    features = datasets.Features.from_dict(json.loads(schema.metadata[b"huggingface"])["info"]["features"])
+    assert list(features) == table.column_names and features["lora_scales"] == datasets.List(datasets.Value("float32"))
+    assert table.column("variant").to_pylist() == [0, 1, 2, 3]
+    # Swept LoRA scales are refused at preflight until re-fusing follows them (the LoRA engineer's hook).
+    cfg = OmegaConf.create({"generate": {"sweep": {"lora_scale.0": [0.5, 1.0]}}, "model": {"loras": [{"path": "x"}]}})
+    with pytest.raises(ConfigError, match=r"generate.sweep.lora_scale.0: sweeping a LoRA's scale is not supported"):
+        check_sweep_model(cfg)
