@@ -21,13 +21,13 @@ LORA_PREFIX = "lora_scale."
 BOUNDS = {"num_inference_steps": (1, 1000), "guidance_scale": (0, 100), "true_cfg_scale": (0, 100)}
 
 
-def raw_sweep(gen) -> dict:
+def raw_sweep(gen):
     """`generate.sweep` as plain Python, in its order ({} when unset)."""
     from omegaconf import OmegaConf
 
     s = gen.get("sweep") if hasattr(gen, "get") else getattr(gen, "sweep", None)
     s = OmegaConf.to_container(s) if OmegaConf.is_config(s) else s
-    return dict(s or {})
+    return {} if s is None else s  # check_sweep refuses what is not a mapping
 
 
 def sweep_of(gen) -> dict[str, list]:
