@@ -4,6 +4,8 @@ Batches are formed within same-shape buckets and padded to `generate.batch_size`
 static shape (one compile per shape). With `generate.images_per_prompt=N` a call takes its prompts once and
 denoises N images of each (`num_images_per_prompt`): the text encoder runs once per prompt. Each sample gets its
 own CPU generator seeded from its id, so an image does not depend on which batch, rank or device produced it.
+With `generate.sweep`, each batch of prompts (a "chunk") is followed by one batch per variant: the same rows and
+seeds, the variant's settings (launcher/worker/staged.py encodes the chunk once for all of them).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import contextlib
 import functools
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from launcher.ledger.shards import image_seeds, sample_ids
+from launcher.ledger.sweep import LORA_PREFIX, variants
 from launcher.models import family_of
 
 logger = logging.getLogger(__name__)
@@ -33,19 +36,27 @@ class Batch:
     shape: tuple  # the values of SETTINGS
     seeds: list[int]  # one per image: images_per_prompt per row, prompt-major (the pipeline's order)
     images_per_prompt: int = 1
+    chunk: int = 0  # the batch of prompts it denoises: batches of one chunk share their rows and embeddings
+    variant: int | None = None  # with generate.sweep: v
+    extra: dict = field(default_factory=dict)  # swept call settings beyond SETTINGS (true_cfg_scale)
+    lora_scales: tuple | None = None  # with a swept LoRA scale: every LoRA's scale for this batch
 
     @property
     def settings(self) -> dict:
-        return dict(zip(SETTINGS, self.shape, strict=True))
+        return {**dict(zip(SETTINGS, self.shape, strict=True)), **self.extra}
 
     def samples(self, images) -> list[dict]:
         """One sample dict per real image: row fields, settings, seed and `pixels` (uint8 HxWx3)."""
-        n, out = self.images_per_prompt, []
+        n, v, out = self.images_per_prompt, self.variant, []
         for i, row in enumerate(self.rows[: self.n_real]):
             for k, sid in enumerate(sample_ids(row["id"], n)):
                 sample = {"id": sid, "prompt": row["prompt"], "seed": self.seeds[i * n + k]}
-                if n > 1:  # the column exists only then, so N = 1 writes what it always wrote
+                if n > 1 or v is not None:  # the column exists only then, so N = 1 writes what it always wrote
                     sample["prompt_id"] = row["id"]
+                if v is not None:
+                    sample.update(id=f"{sid}@{v}", variant=v)
+                    if self.lora_scales is not None:
+                        sample["lora_scales"] = list(self.lora_scales)
                 sample["negative_prompt"] = row.get("negative_prompt")
                 # The same rounding as diffusers' numpy_to_pil, without the PIL round trip.
                 pixels = sample["pixels"] = (images[i * n + k] * 255).round().astype("uint8")
@@ -54,12 +65,15 @@ class Batch:
         return out
 
 
-def make_batches(rows, gen) -> list[Batch]:
+def make_batches(rows, gen, lora_scales: tuple = ()) -> list[Batch]:
     """Group rows into same-shape buckets (in order of first appearance), then cut padded batches.
 
     A row's own columns override the config's settings. The config is read once here, not per row: a config
-    node's attribute costs microseconds, which add up to a per-image overhead on small models.
+    node's attribute costs microseconds, which add up to a per-image overhead on small models. With a sweep,
+    each such batch of prompts is repeated once per variant, with the variant's values over the row's (a swept
+    key is never a row's column) and the same seeds; `lora_scales` are the loaded LoRAs' scales.
     """
+    sweep = variants(gen)
     defaults = (gen.height, gen.width, gen.num_inference_steps, gen.guidance_scale)
     base_seed, size, n = gen.seed, gen.batch_size, gen.images_per_prompt
     buckets: dict[tuple, list[dict]] = {}
@@ -72,13 +86,36 @@ def make_batches(rows, gen) -> list[Batch]:
             chunk = members[i : i + size]
             padded = chunk + [chunk[-1]] * (size - len(chunk))
             seeds = [s for r in padded for s in image_seeds(r, base_seed, n)]
-            out.append(Batch(padded, len(chunk), shape, seeds, n))
+            c = len(out)
+            if sweep == [{}]:
+                out.append(Batch(padded, len(chunk), shape, seeds, n, chunk=c))
+                continue
+            for v, values in enumerate(sweep):
+                out.append(_variant(Batch(padded, len(chunk), shape, seeds, n, chunk=c), v, values, lora_scales))
     return out
 
 
 def shard_batches(rows, cfg) -> list[Batch]:
-    """The job's entry: a shard's rows as the batches of its pipeline calls."""
-    return make_batches(rows, cfg.generate)
+    """The job's entry: a shard's rows as the batches of its pipeline calls (each variant's, with a sweep)."""
+    return make_batches(rows, cfg.generate, loaded_lora_scales(cfg))
+
+
+def loaded_lora_scales(cfg) -> tuple:
+    """The scales the model's LoRAs were fused at (model.loras)."""
+    return tuple(float(lo.get("scale", 1.0)) for lo in cfg.model.get("loras") or [])
+
+
+def _variant(batch: Batch, v: int, values: dict, lora_scales: tuple) -> Batch:
+    batch.variant = v
+    batch.shape = tuple(cast(values.get(k, s)) for k, s, cast in zip(SETTINGS, batch.shape, _CASTS, strict=True))
+    batch.extra = {k: float(values[k]) for k in ("true_cfg_scale",) if k in values}
+    if any(k.startswith(LORA_PREFIX) for k in values):
+        scales = list(lora_scales)
+        for k, s in values.items():
+            if k.startswith(LORA_PREFIX):
+                scales[int(k.removeprefix(LORA_PREFIX))] = float(s)
+        batch.lora_scales = tuple(scales)
+    return batch
 
 
 @functools.cache

@@ -78,6 +78,8 @@ class GenerateConfig:
     seed: int = 0
     images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
     size_from_reference: bool = False  # job=edit: the first reference's size, rounded to the model's factor
+    # key -> values: every prompt at every combination, samples <base id>@<v> (launcher/ledger/sweep.py)
+    sweep: Any = None
 
 
 @dataclass
@@ -114,7 +116,7 @@ class ExecutionConfig:
     mode: str = "eager"  # eager | defer_and_fuse | compile
     offload: str = "none"  # none | model
     compile_cache_dir: str | None = None
-    # Per shard: encode every prompt, then denoise every batch, then decode (jobs/staged.py).
+    # Per shard: encode every prompt, then denoise every batch, then decode (launcher/worker/staged.py).
     staged: bool = False
     release_text_encoder: bool = True  # staged without offload: the text encoder leaves the chip while denoising
     cache: str = "none"  # none | taylorseer | first_block | magcache (step caching; changes the images)

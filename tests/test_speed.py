@@ -111,8 +111,8 @@ def test_staged_parks_the_model_a_stage_does_not_use_and_matches_unstaged_bitwis
     this process)."""
     from diffusers import Flux2Pipeline
 
-    from jobs.staged import shard_steps
     from jobs.text_to_image import make_batches
+    from launcher.worker.staged import shard_steps
 
     cfg = load_config("tiny", [f"model.path={tiny_model}", "execution.staged=true", "generate.batch_size=1"])
     pipe = Flux2Pipeline.from_pretrained(tiny_model)

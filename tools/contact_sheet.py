@@ -4,6 +4,8 @@ An edit run (job=edit) shows before | after pairs: its first reference beside ea
 
 Reads only the run folder: the state files say which shards are done, their Parquet files hold the images and
 prompts (a shard written with output.parquet=false falls back to its PNG files, captioned with the ids).
+A sweep's sheet is a grid per prompt: one row per prompt (or per image of a prompt), one column per variant,
+each captioned with its swept values (whole rows: at least one, --n images when it holds enough of them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ CELL_H = THUMB + 2 * PAD + CAPTION_LINES * LINE_H
 BACKGROUND = (255, 255, 255)
 
 
+def swept_keys(run: Store) -> dict[str, list]:
+    """The run's sweep ({} without one), as its run.json records it."""
+    return summarize(run)["meta"]["settings"].get("generate", {}).get("sweep") or {}
+
+
+def caption(r: dict, sweep: dict) -> str:
+    """A sample's caption: its prompt, or with a sweep its variant's values (the prompt first in its row)."""
+    if not sweep:
+        return r["prompt"]
+    values = ", ".join(
+        f"{k}={r['lora_scales'][int(k.split('.')[1])] if k.startswith('lora_scale.') else r[k]:g}" for k in sweep
+    )
+    return f"{r['prompt']} | @0 {values}" if r["variant"] == 0 else f"@{r['variant']} {values}"
+
+
 def first_samples(run: Store, n: int) -> list[tuple]:
     """(caption, image bytes), or for an edit run (caption, image bytes, first reference's bytes), of the first n
     samples of the done shards, in shard and row order.
@@ -45,6 +62,8 @@ def first_samples(run: Store, n: int) -> list[tuple]:
     config = summary["meta"]["config"]
     ext = "." + EXTENSIONS[config["output"].get("format", "png")]
     edit = config.get("job") == "edit"
+    sweep = swept_keys(run)
+    wanted = ["prompt", "image"] if not sweep else [*{"prompt", "image", "variant", *_columns(sweep)}]
     for shard in summary["shards"]:
         if len(found) >= n:
             break
@@ -53,11 +72,11 @@ def first_samples(run: Store, n: int) -> list[tuple]:
         name = shard_name(shard["index"])
         if f"{name}.parquet" in parquet:
             pf = run.parquet(f"{DATA_DIR}/{name}.parquet")
-            columns = ["prompt", "image"] + (["reference"] if edit else [])
+            columns = wanted + (["reference"] if edit else [])
             columns += ["reference_image"] if edit and "reference_image" in pf.schema_arrow.names else []
             for batch in pf.iter_batches(batch_size=max(n - len(found), 1), columns=columns):
                 rows = batch.to_pylist()
-                found += [(r["prompt"], r["image"]["bytes"], *_before(r, config)) for r in rows]
+                found += [(caption(r, sweep), r["image"]["bytes"], *_before(r, config)) for r in rows]
                 if len(found) >= n:
                     break
         else:
@@ -86,6 +105,10 @@ def pair(before: bytes, after: bytes) -> Image.Image:
     out.paste(b, (0, 0))
     out.paste(a, (b.width, 0))
     return out
+
+
+def _columns(sweep: dict) -> list[str]:
+    return ["lora_scales" if k.startswith("lora_scale.") else k for k in sweep]
 
 
 def wrap(text: str, font: ImageFont.ImageFont, width: int, lines: int) -> list[str]:
@@ -120,8 +143,15 @@ def cell_origin(i: int, cols: int, thumb_w: int = THUMB) -> tuple[int, int]:
 
 
 def contact_sheet(out: str | Path, n: int = 16, cols: int = 4) -> Image.Image:
-    """The grid of the first n samples (fewer if the run has fewer), `cols` wide; ValueError if it has none."""
-    samples = first_samples(open_run(out), n)
+    """The grid of the first n samples (fewer if the run has fewer), `cols` wide; ValueError if it has none.
+
+    With a sweep of V variants: rows of a prompt's V samples, in order, V wide (n // V rows, at least one)."""
+    run = open_run(out)
+    sweep = swept_keys(run)
+    if sweep:
+        cols = math.prod(len(v) for v in sweep.values())
+        n = max(1, n // cols) * cols
+    samples = first_samples(run, n)
     if not samples:
         raise ValueError(f"{out} has no done shards with images yet")
     cols = max(1, min(cols, len(samples)))

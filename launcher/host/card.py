@@ -190,6 +190,23 @@ def files_section(output: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_text(sweep: dict | None) -> str:
+    """The card's paragraph on a sweep: its variants, their ids and seeds (empty without one)."""
+    if not sweep:
+        return ""
+    import itertools
+
+    combos = list(itertools.product(*sweep.values()))
+    listed = "; ".join(
+        f"{v}: " + ", ".join(f"{k}={x}" for k, x in zip(sweep, c, strict=True)) for v, c in enumerate(combos)
+    )
+    return (
+        f"\nA sweep: every prompt at {len(combos)} combinations of settings (the `variant` column, v = {listed}). "
+        "A sample's id is `<base id>@<v>` and it has the base id's seed, so the variants of one image differ only "
+        "in the swept settings.\n"
+    )
+
+
 def card_text(run: Store, states: dict[int, dict] | None = None) -> str:
     summary = summarize(run, states)
     meta, counts, cfg = summary["meta"], summary["counts"], summary["meta"]["config"]
@@ -217,7 +234,7 @@ The images are outputs of this model; their use is subject to its license.
 
 Each sample's seed is the first 8 bytes of `sha256("<seed>:<id>")` unless its row sets `seed`; rows may also set
 their own `height`, `width` and `negative_prompt`. The data records what each sample used.
-
+{sweep_text(meta["settings"]["generate"].get("sweep"))}
 ## Files
 
 {files_section(cfg.get("output", {}))}

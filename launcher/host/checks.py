@@ -60,6 +60,9 @@ def check_settings(cfg) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     check_output_settings(cfg.output)
+    from launcher.ledger.sweep import check_sweep
+
+    check_sweep(g, cfg.model.get("loras") or [])
 
 
 def check_output_settings(o) -> None:

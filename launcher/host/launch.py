@@ -195,8 +195,9 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
     from launcher.host.terminal import WorkerLogs
     from launcher.ledger.plan import plan_rel, write_plan_file
+    from launcher.ledger.sweep import n_variants
 
-    samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt
+    samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt * n_variants(cfg.generate)
     logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
     warn_if_short(cfg, store, samples)
     if best_effort("the run's plan", write_plan_file, store, plan_rel(run_id), cfg, plan, sizes):

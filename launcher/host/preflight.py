@@ -76,6 +76,14 @@ def lora_files(pf: Preflight) -> None:
     ensure_downloaded(pf.cfg)
 
 
+def sweep(pf: Preflight) -> None:
+    """`generate.sweep` against the model: swept sizes, and keys its family cannot follow."""
+    from launcher.host.sweep_checks import check_sweep_model
+
+    if pf.model.configs is not None:
+        check_sweep_model(pf.cfg, pf.model)
+
+
 def loras(pf: Preflight) -> None:
     """`model.loras` against the model's components on the meta device (once the model's files are here)."""
     from launcher.host.lora_checks import check_loras
@@ -175,6 +183,7 @@ STEPS = [
     Step("model", model, again=True),
     Step("mesh", mesh, again=True),
     Step("model fit", model_fit, again=True),
+    Step("sweep", sweep, again=True),
     Step("loras", loras, again=True),
     Step("output", output, books=True),
     Step("prompts", prompts, again=True, books=True),

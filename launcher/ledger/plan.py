@@ -50,13 +50,25 @@ class Plan:
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    d, edit = cfg.dataset, cfg.get("job", "text_to_image") == "edit"
+    from launcher.ledger.sweep import n_variants, raw_sweep
+
+    d, g, edit = cfg.dataset, cfg.generate, cfg.get("job", "text_to_image") == "edit"
     images = d.image_column if edit else None
-    by_ref = edit and cfg.generate.size_from_reference
+    by_ref = edit and g.size_from_reference
     earlier = edit and run_folder(d.path)
     ids = d.id_column or ("id" if earlier else None)  # an earlier run's rows keep their ids
-    n = cfg.generate.images_per_prompt
-    return Source(d.path, d.prompt_column, ids, sizes, n, images, by_ref, row_settings=not earlier)
+    variants = n_variants(g) if raw_sweep(g) else 0
+    return Source(
+        d.path,
+        d.prompt_column,
+        ids,
+        sizes,
+        g.images_per_prompt,
+        image_column=images,
+        size_from_reference=by_ref,
+        row_settings=not earlier,
+        variants=variants,
+    )
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -118,8 +130,11 @@ def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store
     """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source).
 
     `store`: where a refusal of stale shards reads which samples changed."""
+    from launcher.ledger.sweep import check_sweep_columns
+
     shards, stale_tables = [], {}
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+        check_sweep_columns(t, cfg)
         fp = prompts_fingerprint(t)
         st = states.get(i)
         shards.append(ShardPlan(i, t.num_rows, fp, shard_status(st, t, whole, fp), state_token(st)))

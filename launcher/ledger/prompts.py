@@ -49,6 +49,7 @@ class Source:
     # False for an earlier meshgen run as the source: its seed, size, steps, guidance and negative prompt columns
     # say how its images were made, not how to edit them, so they override nothing.
     row_settings: bool = True
+    variants: int = 0  # with generate.sweep: V, and sample ids <base id>@<v> must not either
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,11 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if ids:
         _check_unique(pa.chunked_array(ids, pa.string()), src, files)
-        if src.images_per_prompt > 1:
+        if src.images_per_prompt > 1 or src.variants:
             from launcher.ledger.shards import check_sample_ids
 
-            check_sample_ids((i.as_py() for c in ids for i in c), src.images_per_prompt, f"dataset {src.path}")
+            where, n = f"dataset {src.path}", src.images_per_prompt
+            check_sample_ids((i.as_py() for c in ids for i in c), n, where, src.variants)
 
 
 def _attached(refs, b: pa.RecordBatch) -> pa.RecordBatch:

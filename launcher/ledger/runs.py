@@ -57,6 +57,11 @@ def check_run_json(store: Store, cfg) -> None:
     if old is None or old.get("fingerprint") == settings_fingerprint(cfg):
         return
     diffs = settings_diff(old["settings"], settings(cfg))
+    if any(d.startswith("generate.sweep:") for d in diffs):  # even one more value numbers the variants anew
+        raise ConfigError(
+            f"{store} holds a run made with another sweep ({'; '.join(diffs)}); a changed sweep, grown ones too, "
+            "numbers its variants anew: choose a new output.dir for it (or run.overwrite=true to discard this one)"
+        )
     raise ConfigError(
         f"{store} holds a run made with other settings ({'; '.join(diffs)}); "
         "rerun with run.overwrite=true to discard it, or choose a new output.dir"

@@ -25,6 +25,7 @@ FINGERPRINT_KEYS = {
         "seed",
         "images_per_prompt",
         "size_from_reference",
+        "sweep",
     ),
     "run": ("shard_size",),
     "execution": ("cache", "cache_options"),  # step caching changes the images; the other execution keys do not
@@ -40,6 +41,7 @@ FINGERPRINT_KEYS = {
 LATER_DEFAULTS = {
     ("model", "loras"): [],
     ("generate", "images_per_prompt"): 1,
+    ("generate", "sweep"): None,
     ("execution", "cache"): "none",
     ("execution", "cache_options"): {},
     ("output", "format"): "png",
@@ -132,7 +134,14 @@ def settings(cfg) -> dict:
     if cfg.get("job", "text_to_image") != "text_to_image":  # left out for text-to-image: older runs keep theirs
         out["job"] = {"name": cfg.job}
     for group, keys in FINGERPRINT_KEYS.items():
-        values = {k: _plain(cfg[group][k]) if (group, k) != ("model", "loras") else _loras(cfg) for k in keys}
+        special = {("model", "loras"), ("generate", "sweep")}
+        values = {k: _plain(cfg[group][k]) for k in keys if (group, k) not in special}
+        if group == "model" and "loras" in keys:
+            values["loras"] = _loras(cfg)
+        if group == "generate":  # its values as the pipeline takes them; {} and null are no sweep
+            from launcher.ledger.sweep import sweep_of
+
+            values["sweep"] = sweep_of(cfg.generate) or None
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
         if values:
             out[group] = values
@@ -184,9 +193,11 @@ def row_seed(row: dict, base_seed: int) -> int:
     return int(row["seed"]) if row.get("seed") is not None else sample_seed(base_seed, row["id"])
 
 
-def sample_ids(prompt_id: str, images_per_prompt: int) -> list[str]:
-    """The ids of one prompt's samples: the prompt's id, or `<prompt id>-<k>` for k = 0..N-1 when N > 1."""
-    return [prompt_id] if images_per_prompt == 1 else [f"{prompt_id}-{k}" for k in range(images_per_prompt)]
+def sample_ids(prompt_id: str, images_per_prompt: int, variants: int = 0) -> list[str]:
+    """The ids of one prompt's samples: the prompt's id, or `<prompt id>-<k>` for k = 0..N-1 when N > 1; with a
+    sweep of V variants (`variants` > 0), each of those as `<base id>@<v>` for v = 0..V-1 (base-major)."""
+    base = [prompt_id] if images_per_prompt == 1 else [f"{prompt_id}-{k}" for k in range(images_per_prompt)]
+    return [f"{b}@{v}" for b in base for v in range(variants)] if variants else base
 
 
 def image_seeds(row: dict, base_seed: int, images_per_prompt: int) -> list[int]:
@@ -202,31 +213,47 @@ def image_seeds(row: dict, base_seed: int, images_per_prompt: int) -> list[int]:
     return [sample_seed(base_seed, i) for i in sample_ids(row["id"], images_per_prompt)]
 
 
-def check_sample_ids(prompt_ids: Iterable[str], images_per_prompt: int, where: str = "the dataset") -> None:
-    """Refuse prompt ids that a sample id of another prompt repeats (`a-1` beside `a` with N >= 2).
+def check_sample_ids(
+    prompt_ids: Iterable[str], images_per_prompt: int, where: str = "the dataset", variants: int = 0
+) -> None:
+    """Refuse prompt ids that a sample id of another prompt repeats (`a-1` beside `a` with N >= 2, `a@0` beside
+    `a` with a sweep).
 
-    Sample ids themselves never coincide (k has no '-'), but a sample `a-1` beside a prompt `a-1` makes the
-    `id` and `prompt_id` columns ambiguous to anyone joining them back to the prompts. One pass, a set of ids.
+    Sample ids themselves never coincide (k has no '-', v no '@'), but a sample `a-1` beside a prompt `a-1` makes
+    the `id` and `prompt_id` columns ambiguous to anyone joining them back to the prompts. One pass, a set of ids.
     """
-    if images_per_prompt == 1:
+    if images_per_prompt == 1 and not variants:
         return
     from launcher.errors import ConfigError
 
     seen: set[str] = set()
     for pid in prompt_ids:
-        base, _, k = pid.rpartition("-")
-        clash = None
-        if base and k.isdigit() and str(int(k)) == k and int(k) < images_per_prompt and base in seen:
-            clash = (base, pid)
+        owner = _owner(pid, images_per_prompt, variants)
+        if owner in seen:
+            clash = (owner, pid)
         else:
-            clash = next(((pid, s) for s in sample_ids(pid, images_per_prompt) if s in seen), None)
+            clash = next(((pid, s) for s in sample_ids(pid, images_per_prompt, variants) if s in seen), None)
         if clash:
+            what = f"generate.images_per_prompt={images_per_prompt}" if images_per_prompt > 1 else ""
+            what = " and ".join(w for w in (what, "generate.sweep" if variants else "") if w)
             raise ConfigError(
-                f"{where}: with generate.images_per_prompt={images_per_prompt}, prompt {clash[0]!r} has a sample "
+                f"{where}: with {what}, prompt {clash[0]!r} has a sample "
                 f"id {clash[1]!r}, which is also the id of another prompt; rename one of them "
                 "(or use dataset.id_column)"
             )
         seen.add(pid)
+
+
+def _owner(pid: str, images_per_prompt: int, variants: int) -> str | None:
+    """The prompt id of which `pid` would be a sample id, if it has that form."""
+    for sep, count, wanted in (("@", variants, variants > 0), ("-", images_per_prompt, images_per_prompt > 1)):
+        if not wanted:
+            continue
+        base, _, k = pid.rpartition(sep)
+        if not (base and k.isdigit() and str(int(k)) == k and int(k) < count):
+            return None
+        pid = base
+    return pid
 
 
 def preference(selected: list[int], slot: int, slots: int) -> list[int]:

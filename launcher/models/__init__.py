@@ -33,6 +33,7 @@ class Family:
     tp_transformer: bool = False  # diffusers has a tensor-parallel plan for its transformer
     repeated_blocks: bool = False  # its transformer defines _repeated_blocks (compile_repeated_blocks works)
     uses_cfg: bool = False  # classifier-free guidance: negative prompts matter
+    true_cfg: bool = False  # its pipeline takes a true_cfg_scale apart from guidance_scale (a sweep may set it)
     # (pipe, prompts) -> token ids as the pipeline encodes them, or None; the tokenizer's max length is lifted
     token_ids: Callable = _last_tokenizer_ids
     call_kwargs: Callable[[dict], dict] = lambda kwargs: kwargs  # the call's quirks, applied to its kwargs

@@ -112,4 +112,5 @@ FAMILY = Family(
     repeated_blocks=True,
     build_tiny=build_tiny,
     tp_text_encoder=False,
+    true_cfg=True,  # FluxPipeline's true_cfg_scale: real CFG with a negative prompt, beside the distilled guidance
 )

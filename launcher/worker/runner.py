@@ -24,6 +24,7 @@ from launcher.ledger.claims import Claims
 from launcher.ledger.plan import PlanFile, plan_rel
 from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
+from launcher.ledger.sweep import n_variants, raw_sweep
 from launcher.logs import STAGE_EVENTS
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
@@ -205,7 +206,8 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     except Exception as e:
         batches, local = [], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     error = _agree(groups, local)
-    steps = shard_steps(w.pipe, [] if error else batches, cfg, job)  # every tp rank skips the shard together
+    # set_lora_scales: the hook that re-fuses LoRAs per swept scale, once that exists (launcher/host/sweep_checks.py)
+    steps = shard_steps(w.pipe, [] if error else batches, cfg, job, set_lora_scales=None)  # tp ranks skip together
     for batch, step in steps:
         local = mark = None
         try:
@@ -227,12 +229,12 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
     prompts = [r["prompt"] for r in shard.rows]
     truncated = None if error else job.count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
-    n = cfg.generate.images_per_prompt
-    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n)]
+    n, v = cfg.generate.images_per_prompt, n_variants(cfg.generate) if raw_sweep(cfg.generate) else 0
+    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n, v)]
     state = {
         "status": "failed" if error else "done",
         "rows": len(ids),  # images
-        **({"prompts": len(shard.rows)} if n > 1 else {}),
+        **({"prompts": len(shard.rows)} if n > 1 or v else {}),
         "prompts_fingerprint": shard.fingerprint,
         "run_id": w.run_id,
         "attempt": w.claims.attempt(shard.index),  # which claim wrote it: see launcher/ledger/claims.py

@@ -19,6 +19,11 @@ Why: each model then runs as one stretch per shard.
   max(text encoder, transformer) + VAE of weights instead of their sum, at the cost of moving both across
   once per shard. (Loading still holds both for a moment.)
 Embeddings wait in host memory between the stages (FLUX.2: ~15 MB per prompt at 512 tokens).
+
+With `generate.sweep`, the batches of one chunk of prompts (one per variant) share its embeddings: staged or not,
+a prompt is encoded once for all its variants, where the family declares its encoding (else every call encodes).
+A batch's LoRA scales go to `set_lora_scales` before it runs (a hook for re-fusing; a swept LoRA scale is
+refused at preflight until it does something).
 """
 
 from __future__ import annotations
@@ -35,17 +40,70 @@ from launcher.worker.residency import park, unpark
 logger = logging.getLogger(__name__)
 
 
-def shard_steps(pipe, batches: list, cfg, job=text_to_image):
+def shard_steps(pipe, batches: list, cfg, job=text_to_image, set_lora_scales=None):
     """Yield (batch or None, step) pairs; `step(num_inference_steps=None)` returns the samples it finished.
 
     A batch comes with the step that denoises it, for the compile warm-up. Close the generator when stopping
     early: it puts the models back as they were.
     """
+    set_lora = set_lora_scales or (lambda scales: None)
     if not cfg.execution.staged:
+        if any(b.variant is not None for b in batches) and _family(type(pipe)).encode is not None:
+            yield from _shared_encoding(pipe, batches, cfg, job, set_lora)
+            return
         for b in batches:
-            yield b, functools.partial(job.run_batch, pipe, b, cfg)
+            yield b, functools.partial(_with_scales, set_lora, b, job.run_batch, pipe, b, cfg)
         return
-    yield from _staged(pipe, batches, cfg, job)
+    yield from _staged(pipe, batches, cfg, job, set_lora)
+
+
+def _with_scales(set_lora, b, fn, *args, **kwargs):
+    set_lora(b.lora_scales)
+    return fn(*args, **kwargs)
+
+
+def _key(b) -> tuple:
+    """What a batch's embeddings depend on: its prompts, and the LoRA scales (a LoRA may touch the text encoder)."""
+    return b.chunk, b.lora_scales
+
+
+@torch.no_grad()
+def _encode(pipe, b, cfg, job) -> dict:
+    return _family(type(pipe)).encode(pipe, job.pipeline_kwargs(pipe, b, cfg))
+
+
+def _denoise(pipe, b, cfg, job, embeds: dict, num_inference_steps, output_type: str):
+    """One pipeline call from the batch's embeddings instead of its prompts."""
+    kwargs = job.pipeline_kwargs(pipe, b, cfg)
+    for k in ("prompt", "negative_prompt"):
+        kwargs.pop(k, None)
+    device = pipe._execution_device
+    kwargs.update({k: v.to(device) for k, v in embeds.items()})
+    if num_inference_steps is not None:
+        kwargs["num_inference_steps"] = num_inference_steps
+    kwargs["output_type"] = output_type
+    with cache_context(pipe):
+        return pipe(**kwargs).images
+
+
+def _shared_encoding(pipe, batches: list, cfg, job, set_lora):
+    """Unstaged sweep: each chunk's prompts encoded by its first batch, its other variants reuse the embeddings
+    (only the current chunk's are kept)."""
+    held: dict[tuple, dict] = {}
+    try:
+        for b in batches:
+
+            def step(b=b, num_inference_steps=None):
+                set_lora(b.lora_scales)
+                if _key(b) not in held:
+                    held.clear()
+                    held[_key(b)] = _encode(pipe, b, cfg, job)
+                images = _denoise(pipe, b, cfg, job, held[_key(b)], num_inference_steps, "np")
+                return [{**s, "model": cfg.model.path} for s in b.samples(images)]
+
+            yield b, step
+    finally:
+        held.clear()
 
 
 class _Swap:
@@ -77,7 +135,7 @@ def _swap_of(pipe) -> _Swap:
     return _SWAPS.setdefault(id(pipe), _Swap(pipe))
 
 
-def _staged(pipe, batches: list, cfg, job):
+def _staged(pipe, batches: list, cfg, job, set_lora):
     fam = _family(type(pipe))
     offload = cfg.execution.offload == "model"
     swap = _swap_of(pipe) if cfg.execution.release_text_encoder and not offload else None
@@ -91,30 +149,25 @@ def _staged(pipe, batches: list, cfg, job):
     try:
         if swap:
             swap.only("text_encoder")
-        for i, b in enumerate(batches):
+        first = {}  # each chunk (and LoRA scales) is encoded once, by its first batch
+        for b in batches:
+            first.setdefault(_key(b), b)
+        for key, b in first.items():
 
-            @torch.no_grad()
-            def encode(i=i, b=b, **_):
-                kwargs = job.pipeline_kwargs(pipe, b, cfg)
-                embeds[i] = {k: v.to("cpu") for k, v in fam.encode(pipe, kwargs).items()}
+            def encode(key=key, b=b, **_):
+                set_lora(b.lora_scales)
+                embeds[key] = {k: v.to("cpu") for k, v in _encode(pipe, b, cfg, job).items()}
                 return []
 
             yield None, encode
         if swap:
             swap.only("transformer")
+        out_type = "latent" if fam.decode_latents else "np"
         for i, b in enumerate(batches):
 
             def denoise(i=i, b=b, num_inference_steps=None):
-                kwargs = job.pipeline_kwargs(pipe, b, cfg)
-                for k in ("prompt", "negative_prompt"):
-                    kwargs.pop(k, None)
-                device = pipe._execution_device
-                kwargs.update({k: v.to(device) for k, v in embeds[i].items()})
-                if num_inference_steps is not None:
-                    kwargs["num_inference_steps"] = num_inference_steps
-                kwargs["output_type"] = "latent" if fam.decode_latents else "np"
-                with cache_context(pipe):
-                    latents[i] = pipe(**kwargs).images
+                set_lora(b.lora_scales)
+                latents[i] = _denoise(pipe, b, cfg, job, embeds[_key(b)], num_inference_steps, out_type)
                 return []
 
             yield b, denoise

@@ -6,6 +6,7 @@ such points per batch (end of text encoding, start and end of decoding), which c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 
@@ -43,6 +44,19 @@ class StageTimer:
                 return out
 
             vae.decode = timed_decode
+        # A call from embeddings (a sweep's later variants) encodes nothing: its denoising starts when the
+        # pipeline sets the scheduler's timesteps.
+        scheduler = getattr(pipe, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "set_timesteps"):
+            set_timesteps = scheduler.set_timesteps
+
+            @functools.wraps(set_timesteps)  # the pipeline inspects its signature (sigmas, timesteps)
+            def timed_set_timesteps(*args, **kwargs):
+                if self._denoise_start is None:
+                    self._denoise_start = time.perf_counter()
+                return set_timesteps(*args, **kwargs)
+
+            scheduler.set_timesteps = timed_set_timesteps
 
     def _sync(self) -> None:
         if self._device.type != "cpu":

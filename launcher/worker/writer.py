@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import tarfile
@@ -50,6 +51,23 @@ SCHEMA_N = SCHEMA.insert(1, pa.field("prompt_id", pa.string())).with_metadata(
 )
 
 
+# With generate.sweep, also the variant and the swept settings beyond SCHEMA's own columns (where swept).
+_SWEEP_COLUMNS = {
+    "variant": (pa.int32(), {"dtype": "int32", "_type": "Value"}),
+    "true_cfg_scale": (pa.float32(), {"dtype": "float32", "_type": "Value"}),
+    "lora_scales": (pa.list_(pa.float32()), {"feature": {"dtype": "float32", "_type": "Value"}, "_type": "List"}),
+}
+
+
+def schema_of(samples: list[dict]) -> pa.Schema:
+    if not samples or "prompt_id" not in samples[0]:
+        schema = SCHEMA
+    else:
+        extra = tuple(k for k in _SWEEP_COLUMNS if k in samples[0])
+        schema = _sweep_schema(extra) if extra else SCHEMA_N
+    return _with_references(schema, samples)
+
+
 # job=edit: each sample's references (lineage), and with output.reference_bytes the first one's image, which
 # `datasets` loads as a second Image column.
 REFERENCE = pa.list_(pa.struct([("id", pa.string()), ("path", pa.string()), ("sha256", pa.string())]))
@@ -62,8 +80,7 @@ _HF_REFERENCE = [
 ]
 
 
-def schema_of(samples: list[dict]) -> pa.Schema:
-    schema = SCHEMA_N if samples and "prompt_id" in samples[0] else SCHEMA
+def _with_references(schema: pa.Schema, samples: list[dict]) -> pa.Schema:
     if not samples or "reference" not in samples[0]:
         return schema
     features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
@@ -72,6 +89,18 @@ def schema_of(samples: list[dict]) -> pa.Schema:
     if "reference_image" in samples[0]:
         schema = schema.append(pa.field("reference_image", SCHEMA.field("image").type))
         features["reference_image"] = {"_type": "Image"}
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+
+
+@functools.cache
+def _sweep_schema(extra: tuple[str, ...]) -> pa.Schema:
+    """SCHEMA_N with `variant` after `prompt_id` and the other swept columns before `image`."""
+    schema = SCHEMA_N.insert(2, pa.field("variant", _SWEEP_COLUMNS["variant"][0]))
+    for k in extra:
+        if k != "variant":
+            schema = schema.insert(schema.get_field_index("image"), pa.field(k, _SWEEP_COLUMNS[k][0]))
+    features = {**_HF_FEATURES_N, **{k: f for k, (_, f) in _SWEEP_COLUMNS.items()}}
+    features = {f.name: features[f.name] for f in schema}
     return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
