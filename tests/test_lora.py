@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import launch, max_diff, pixels, read_rows, worker_logs
-from test_families import contract_seed
+from test_edit import contract_seed
 
 from tools.make_tiny_lora import FLUX1, FLUX2, make_lora
 
@@ -111,7 +111,7 @@ def bare_images(family: str, pipe) -> dict[str, np.ndarray]:
             r["id"]: (
                 pipe(
                     prompt=[r["prompt"]],
-                    generator=[torch.Generator("cpu").manual_seed(contract_seed(0, r["id"]))],
+                    generator=[torch.Generator("cpu").manual_seed(contract_seed(r["id"], 0))],
                     height=64,
                     width=64,
                     num_inference_steps=4,
