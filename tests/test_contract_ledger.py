@@ -253,3 +253,16 @@ def test_the_run_record_and_summary_lines_are_what_the_ledger_says(tmp_path):
         "not done: failed shards [2]; pending shards [3]; finish them with the same command: ./launch.sh x=1",
     ]
     assert lines[1].startswith("this run: 4 images from 3 shards in ")
+
+
+def test_five_digit_shard_indices_read_back(tmp_path):
+    from launcher.ledger.states import read_states
+
+    store = Store(tmp_path)
+    store.write_json("state/shard-12345.json", {"status": "done", "rows": 1})
+    store.write_json("state/shard-00007.json", {"status": "failed", "rows": 0})
+    assert sorted(read_states(store)) == [7, 12345]
+    ledger = Ledger(store)
+    ledger.refresh()
+    ledger.refresh()
+    assert ledger.reads == 2  # the second listing finds nothing new to read
