@@ -278,3 +278,34 @@ def test_run_shards_selection():
     message = r"^run.shards names shards \[4, -1\] that do not exist: the dataset has 4 shards \(0..3\)$"
     with pytest.raises(ConfigError, match=message):
         parse_selection([4, -1, 3], 4)
+
+
+def test_prompt_fingerprints_see_values_not_layout():
+    """Chunks, slices in the middle and integer widths are layout: the same rows hash the same."""
+    import pyarrow as pa
+
+    from launcher.ledger.shards import legacy_fingerprint, prompts_fingerprint
+
+    t = _prompts_table()
+    two_chunks = pa.concat_tables([t.slice(0, 1), t.slice(1)])
+    assert two_chunks.column("id").num_chunks == 2 and prompts_fingerprint(two_chunks) == "v2-3fe8827bc99e369c"
+    middle = t.slice(0, 2)
+    assert prompts_fingerprint(middle) == prompts_fingerprint(pa.Table.from_pylist(middle.to_pylist(), t.schema))
+    assert prompts_fingerprint(middle) != prompts_fingerprint(t)
+    narrow = t.set_column(2, "seed", t.column("seed").cast(pa.int32()))
+    assert prompts_fingerprint(narrow) == "v2-3fe8827bc99e369c"
+    # by hand: sha256 of '{"id": "0", "prompt": "café ☕"}' + newline, as UTF-8 (not \\u escapes)
+    assert legacy_fingerprint(pa.table({"id": ["0"], "prompt": ["café ☕"]})) == "e85adb7daa74a24b"
+
+
+def test_colliding_sample_ids_are_named_in_one_line():
+    from launcher.errors import ConfigError
+    from launcher.ledger.shards import check_sample_ids
+
+    with pytest.raises(ConfigError) as e:
+        check_sample_ids(["x-1", "x-1-0"], 2)
+    assert str(e.value) == (
+        "the dataset: with generate.images_per_prompt=2, prompt 'x-1' has a sample id 'x-1-0', which is also the id "
+        "of another prompt; rename one of them (or use dataset.id_column)"
+    )
+    check_sample_ids(["x-1", "x-2"], 2)  # x-1's samples are x-1-0 and x-1-1: no clash with x-2
