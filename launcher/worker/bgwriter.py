@@ -177,6 +177,10 @@ class BackgroundWriter:
             except queue.Full:
                 continue
         self._thread.join()
+        try:  # the encoders first, from inside their parent: a nested pool left to the writer's exit deadlocks it
+            self._process.submit(_stop_encoders).result(timeout=120)
+        except Exception as e:  # noqa: BLE001 - a writer that died has no encoders left to stop
+            logger.warning("could not stop the encoder processes: %s", e)
         self._process.shutdown()
         self._raise_if_failed()
 
@@ -211,6 +215,13 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
     if output_cfg.parquet:
         warm_up()
     _OUT.update(store=Store(uri), cfg=output_cfg, encoders=encoders)
+
+
+def _stop_encoders() -> None:
+    """In the writer process, before it exits: stop its encoder pool and wait for it."""
+    encoders = _OUT.pop("encoders", None)
+    if encoders is not None:
+        encoders.shutdown(wait=True)
 
 
 def _write_files(name: str, samples: list[dict]) -> int | None:
