@@ -6,6 +6,7 @@ pasted in as a literal: a test that recomputes its answer with the product's rul
 """
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from jobs.text_to_image import make_batches
@@ -78,10 +79,23 @@ def test_batches_carry_the_contracts_ids_and_seeds():
     assert batch.seeds == [7462446685336499101, 0]
 
 
-# TODO(lead, issues 22/23): generate.sweep ids `<base id>@<v>` use the base id's seed. No function in this branch
-# maps a sweep id to its seed; once the sweep code lands, assert that sample "a@3" of job seed 0 gets
-# 7462446685336499101 (the seed of "a"), not 8273243467507124308 (sha256("0:a@3")), and that an edit job's
-# samples keep the same seeds as text_to_image's.
+def test_sweep_variants_use_their_base_ids_seed():
+    """`<base id>@<v>` is seeded as its base id: a@3 of job seed 0 gets the seed of "a" (7462446685336499101),
+    not sha256("0:a@3") (8273243467507124308); with N = 2 the bases are a-0 and a-1. (The edit job's seeds are
+    checked against the contract's words, image for image, in tests/test_edit.py.)"""
+    gen = OmegaConf.create(
+        {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 1, "seed": 0}
+    )
+    gen.images_per_prompt = 1
+    gen.sweep = {"guidance_scale": [1.0, 2.0, 3.0, 4.0]}
+    batches = make_batches([{"id": "a", "prompt": "p"}], gen)
+    assert [b.variant for b in batches] == [0, 1, 2, 3]
+    assert [b.seeds for b in batches] == [[7462446685336499101]] * 4
+    assert sample_ids("a", 1, 4) == ["a@0", "a@1", "a@2", "a@3"]
+    gen.images_per_prompt = 2
+    batches = make_batches([{"id": "a", "prompt": "p"}], gen)
+    assert [b.seeds for b in batches] == [[3749917565733378860, 1884505624281420165]] * 4
+    assert sample_ids("a", 2, 2) == ["a-0@0", "a-0@1", "a-1@0", "a-1@1"]
 
 
 # The tiny conf's fingerprinted settings with model.path=org/model, written out by hand from the contract and
@@ -124,6 +138,7 @@ COVERED = {
     "job": "edit",
     "generate.size_from_reference": "true",
     "output.reference_bytes": "true",
+    "generate.sweep": "generate.sweep={guidance_scale:[1.0,2.0]}",
 }
 # Every key it leaves out ("how the work is run"), each with a value the tiny conf does not have.
 LEFT_OUT = {
@@ -171,8 +186,8 @@ LEFT_OUT = {
     "testing.hold_after_ledger_read": "/tmp/never",
     "dataset.image_column": "picture",  # the references' content hashes are in each shard's prompt fingerprint
 }
-# Keys that other issues add: the contract says loras and sweep are fingerprinted.
-COMING = {"model.loras", "generate.sweep"}
+# model.loras is fingerprinted by its files' content: test_loras_are_fingerprinted_by_content_and_scale.
+COMING = {"model.loras"}
 
 
 def _cfg(*overrides: str):
@@ -309,3 +324,25 @@ def test_colliding_sample_ids_are_named_in_one_line():
         "of another prompt; rename one of them (or use dataset.id_column)"
     )
     check_sample_ids(["x-1", "x-2"], 2)  # x-1's samples are x-1-0 and x-1-1: no clash with x-2
+
+
+def test_loras_are_fingerprinted_by_content_and_scale(tmp_path):
+    """Each LoRA's content hash and scale join the fingerprint; where its file lies does not."""
+    from safetensors.torch import save_file
+
+    def lora(name: str, value: float) -> str:
+        path = tmp_path / name
+        save_file({"transformer.x.lora_A.weight": torch.full((2, 2), value)}, str(path))
+        return str(path)
+
+    a, same, other = lora("a.safetensors", 1.0), lora("copy.safetensors", 1.0), lora("b.safetensors", 2.0)
+    fp = {
+        name: settings_fingerprint(_cfg(f"model.loras=[{{path:{path},scale:{scale}}}]"))
+        for name, path, scale in (("a", a, 1.0), ("copy", same, 1.0), ("other", other, 1.0), ("half", a, 0.5))
+    }
+    assert TINY_FINGERPRINT not in fp.values()
+    assert fp["a"] == fp["copy"]  # the same bytes elsewhere
+    assert len({fp["a"], fp["other"], fp["half"]}) == 3
+    assert [d.split(":")[0] for d in settings_diff(TINY_SETTINGS, settings(_cfg(f"model.loras=[{{path:{a}}}]")))] == [
+        "model.loras"
+    ]
