@@ -99,7 +99,7 @@ def test_claim_edges_out_of_space_a_lost_create_and_the_finish_boundary(tmp_path
         def create_exclusive(self, rel, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    full = Claims(Full(tmp_path), 0, "r", 0.0)
+    full = Claims(Full(tmp_path), 0, "r")
     assert full.out_of_space is False
     assert full.try_claim(0) is False and full.out_of_space is True
 
@@ -108,23 +108,23 @@ def test_claim_edges_out_of_space_a_lost_create_and_the_finish_boundary(tmp_path
             raise OSError(errno.EIO, "I/O error")
 
     with pytest.raises(OSError, match="I/O error"):
-        Claims(Broken(tmp_path), 0, "r", 0.0).try_claim(0)
+        Claims(Broken(tmp_path), 0, "r").try_claim(0)
 
     class Rival(Store):  # another worker creates the same generation between our listing and our create
         def create_exclusive(self, rel, data):
             super().create_exclusive(rel, b'{"worker": 9, "run_id": "rival"}')
             return super().create_exclusive(rel, data)
 
-    loser = Claims(Rival(tmp_path), 0, "r", 0.0)
+    loser = Claims(Rival(tmp_path), 0, "r")
     assert loser.try_claim(1) is False and loser.skipped == {1} and loser.held == {}
     (tmp_path / "claims" / "shard-00001" / ".g00001.json.tmp-1").write_text("")  # a killed writer's leftover
-    winner = Claims(Store(tmp_path), 0, "r", 0.0)
+    winner = Claims(Store(tmp_path), 0, "r")
     winner.skipped.add(1)
     assert winner.try_claim(1) and winner.skipped == set() and winner.held == {1: 1}  # the rival's run is dead
     assert held_elsewhere(Store(tmp_path), 1, "r") is None  # our own claim
     assert held_elsewhere(Store(tmp_path), 1, "another") is None  # run r holds no lock: dead
     store = Store(tmp_path)
     store.write_json("state/shard-00007.json", {"status": "done", "finished_at": 200.0})
-    assert not Claims(store, 0, "a", started=200.0).try_claim(7)  # finished at our start: done by another
+    assert not Claims(store, 0, "a").try_claim(7, seen=None)  # done since the plan read it: by another
     store.write_json("state/shard-00008.json", {"status": "failed"})  # no finish time (an old state file)
-    assert Claims(store, 0, "b", started=0.5).try_claim(8)
+    assert Claims(store, 0, "b").try_claim(8, seen=None)

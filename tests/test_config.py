@@ -1,5 +1,7 @@
 """Config composition: every conf file composes, the contract's overrides are accepted, bad keys fail clearly."""
 
+from pathlib import Path
+
 import pytest
 
 from launcher.config import available_confs, load_config
@@ -18,7 +20,7 @@ CONTRACT_OVERRIDES = {
     "model.dtype=float16": ("model.dtype", "float16"),
     "model.shard_text_encoder=false": ("model.shard_text_encoder", False),
     "model.shard_transformer=false": ("model.shard_transformer", False),
-    "dataset.path=p.jsonl": ("dataset.path", "p.jsonl"),
+    "dataset.path=p.jsonl": ("dataset.path", str(Path.cwd() / "p.jsonl")),  # relative: against the working dir
     "dataset.prompt_column=text": ("dataset.prompt_column", "text"),
     "dataset.id_column=key": ("dataset.id_column", "key"),
     "dataset.limit=10": ("dataset.limit", 10),

@@ -211,7 +211,7 @@ def test_the_run_record_and_summary_lines_are_what_the_ledger_says(tmp_path):
     store = Store(tmp_path)
     done = {"status": "done", "rows": 2, "run_id": "this-run"}
     with RunLock(store, 1, "other-run"):
-        assert Claims(store, 1, "other-run", 0.0).try_claim(4)  # held by another live run
+        assert Claims(store, 1, "other-run").try_claim(4)  # held by another live run
         states = {
             0: {**done, "prompts_fingerprint": "fp0", "stages": {"denoise": 1.25, "encode": 0.5}, "truncated": 1},
             1: {**done, "prompts_fingerprint": "fp1", "stages": {"denoise": 0.75}, "truncated": 2},
@@ -242,6 +242,7 @@ def test_the_run_record_and_summary_lines_are_what_the_ledger_says(tmp_path):
         "images": 4,
         "stages": {"denoise": 2.0, "encode": 0.5},
         "truncated_prompts": 3,
+        "startup_s": None,  # no state of this run says when its first shard started
     }
     assert record["images_per_s"] == round(4 / record["seconds"], 3) and record["seconds"] > 0
     assert [lines[0], lines[2], *lines[3:]] == [

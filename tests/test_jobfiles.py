@@ -104,7 +104,7 @@ def test_small_things_users_trip_on(tmp_path):
     )
     assert (
         res.returncode == 2
-        and res.stderr.strip() == f"error: {tmp_path} has no run.json; is it a meshgen output folder?"
+        and res.stderr.strip() == f"error: {tmp_path} has no readable run.json; is it a meshgen output folder?"
     )
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read(REPO / "deploy" / "meshgen-nightly.service")

@@ -247,4 +247,4 @@ def test_lora_scale_and_true_cfg_sweeps_plan_their_batches_and_columns():
     # Swept LoRA scales are refused at preflight until re-fusing follows them (the LoRA engineer's hook).
     cfg = OmegaConf.create({"generate": {"sweep": {"lora_scale.0": [0.5, 1.0]}}, "model": {"loras": [{"path": "x"}]}})
     with pytest.raises(ConfigError, match=r"generate.sweep.lora_scale.0: sweeping a LoRA's scale is not supported"):
-        check_sweep_model(cfg)
+        check_sweep_model(cfg, None)  # refused before the model is asked anything

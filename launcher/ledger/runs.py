@@ -42,13 +42,28 @@ def check_ours(store: Store) -> None:
     if store.exists("run.json"):
         return
     infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
-    foreign = sorted(i.base_name for i in infos if i.base_name not in EARLY and not i.base_name.startswith(TMP_MARK))
+    foreign = sorted(
+        i.base_name
+        for i in infos
+        if i.base_name not in EARLY and not i.base_name.startswith(TMP_MARK) and _holds_a_file(store, i)
+    )
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(
             f"output.dir {store} is not empty and is not a meshgen folder (no run.json; it holds {shown}); "
             "choose an empty or new folder"
         )
+
+
+def _holds_a_file(store: Store, info) -> bool:
+    """A file, or a folder with a file somewhere inside: empty folders (mount points made for the run, say) hold
+    no byte a run could change."""
+    import pyarrow.fs as pafs
+
+    if info.type != pafs.FileType.Directory:
+        return True
+    inside = store.fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+    return any(i.type == pafs.FileType.File for i in inside)
 
 
 def check_run_json(store: Store, cfg) -> None:
