@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from jobs import text_to_image
-from jobs.text_to_image import Batch, cache_context, count_truncated, make_batches
+from jobs.text_to_image import Batch, count_truncated, make_batches
 from launcher.ledger.reference_reads import load_references
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,4 @@ def pipeline_kwargs(pipe, batch: EditBatch, cfg) -> dict:
 
 
 def run_batch(pipe, batch: EditBatch, cfg, num_inference_steps: int | None = None) -> list[dict]:
-    kwargs = pipeline_kwargs(pipe, batch, cfg)
-    if num_inference_steps is not None:
-        kwargs["num_inference_steps"] = num_inference_steps
-    kwargs["output_type"] = "np"
-    with cache_context(pipe):
-        images = pipe(**kwargs).images
-    return [{**s, "model": cfg.model.path} for s in batch.samples(images)]
+    return text_to_image.run_batch(pipe, batch, cfg, num_inference_steps, pipeline_kwargs(pipe, batch, cfg))

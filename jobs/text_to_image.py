@@ -147,12 +147,15 @@ def pipeline_kwargs(pipe, batch: Batch, cfg) -> dict:
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
-def run_batch(pipe, batch: Batch, cfg, num_inference_steps: int | None = None) -> list[dict]:
+def run_batch(
+    pipe, batch: Batch, cfg, num_inference_steps: int | None = None, kwargs: dict | None = None
+) -> list[dict]:
     """Generate one batch; one sample dict per real row: row fields, settings, seed and `pixels` (uint8 HxWx3).
 
-    `num_inference_steps` overrides the batch's steps (a warm-up needs only enough to trace every graph).
+    `num_inference_steps` overrides the batch's steps (a warm-up needs only enough to trace every graph);
+    `kwargs`, the call's arguments where another job builds them (jobs/edit.py), else this job's.
     """
-    kwargs = pipeline_kwargs(pipe, batch, cfg)
+    kwargs = pipeline_kwargs(pipe, batch, cfg) if kwargs is None else kwargs
     if num_inference_steps is not None:
         kwargs["num_inference_steps"] = num_inference_steps
     kwargs["output_type"] = "np"
