@@ -14,7 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILY_MODULES = ("flux2", "flux1", "sd3", "qwenimage", "flux2_klein", "qwenimage_edit")  # launcher/models/<name>.py, each defining FAMILY
+FAMILY_MODULES = (
+    "flux2",
+    "flux1",
+    "sd3",
+    "qwenimage",
+    "flux2_klein",
+    "qwenimage_edit",
+)  # launcher/models/<name>.py, each defining FAMILY
 
 
 def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:

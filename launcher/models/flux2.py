@@ -63,7 +63,7 @@ def tiny_vae():
 def build_tiny(out_dir: str | os.PathLike) -> Path:
     """Write the tiny pipeline to `out_dir` (atomically: a half-built folder never appears there)."""
     import torch
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     from launcher.models._tiny import save_atomically
@@ -144,7 +144,9 @@ def _decode_latents(pipe, latents, height: int, width: int):
     latents = pipe._unpack_latents_with_ids(latents, ids)
     bn = pipe.vae.bn
     mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents.device, latents.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(
+        latents.device, latents.dtype
+    )
     latents = pipe._unpatchify_latents(latents * std + mean).to(get_module_execution_device(pipe.vae))
     image = pipe.vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(image, output_type="np")

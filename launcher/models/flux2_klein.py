@@ -27,8 +27,11 @@ CHAT_TEMPLATE = (
 
 def build_tiny(out_dir: str | os.PathLike) -> Path:
     import torch
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from launcher.models._tiny import qwen_tokenizer, save_atomically

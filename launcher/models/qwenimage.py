@@ -20,8 +20,7 @@ from launcher.models import Family
 
 def build_tiny(out_dir: str | os.PathLike) -> Path:
     import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from launcher.models._tiny import qwen_tokenizer, save_atomically
@@ -51,6 +50,22 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         vision_end_token_id=n + 3,
     )
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    transformer, vae = tiny_transformer_and_vae()
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    return save_atomically(pipe, out_dir, "Qwen-Image")
+
+
+def tiny_transformer_and_vae():
+    """The tiny transformer and VAE, seeded after the text encoder (Qwen-Image and Qwen-Image-Edit-Plus share them)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
     torch.manual_seed(1)
     # 2 heads: tp=2 divides them. in_channels = 4 latent channels x the pipeline's 2x2 packing.
     transformer = QwenImageTransformer2DModel(
@@ -74,14 +89,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         latents_mean=[0.0] * 4,
         latents_std=[1.0] * 4,
     )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    return save_atomically(pipe, out_dir, "Qwen-Image")
+    return transformer, vae
 
 
 def _token_ids(pipe, prompts: list[str]) -> list[list[int]]:

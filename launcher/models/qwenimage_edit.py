@@ -17,19 +17,18 @@ import os
 from pathlib import Path
 
 from launcher.models import Family
-from launcher.models.qwenimage import _call_kwargs
+from launcher.models.qwenimage import _call_kwargs, tiny_transformer_and_vae
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def build_tiny(out_dir: str | os.PathLike) -> Path:
     import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from launcher.models._tiny import QWEN_SPECIAL, qwen_tokenizer, save_atomically
     from launcher.models._qwen_vl_processor import ImageOnlyQwenVLProcessor
+    from launcher.models._tiny import QWEN_SPECIAL, qwen_tokenizer, save_atomically
 
     tokenizer = qwen_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:] + VISION_TOKENS})
@@ -57,28 +56,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         vision_end_token_id=ids["<|vision_end|>"],
     )
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    torch.manual_seed(1)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )
-    torch.manual_seed(2)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
-    )
+    transformer, vae = tiny_transformer_and_vae()
     pipe = QwenImageEditPlusPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
         vae=vae,

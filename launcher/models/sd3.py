@@ -22,8 +22,8 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from launcher.models.flux1 import clip_and_t5, tiny_vae
     from launcher.models._tiny import clip_tokenizer, save_atomically
+    from launcher.models.flux1 import clip_and_t5, tiny_vae
 
     # T5's width 64 holds both CLIPs' hidden states side by side (the pipeline pads them to T5's width).
     torch.manual_seed(0)
