@@ -237,9 +237,9 @@ def test_leftovers_of_a_killed_write_are_cleaned(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run_job(), out)
     (out / "state" / "shard-00001.json").unlink()  # killed after writing data, before marking it done
-    (out / "data" / ".shard-00001.parquet.tmp-999").write_bytes(b"half")
-    (out / "images" / ".shard-00001.tmp-999").mkdir()
-    (out / "data" / ".shard-00002.parquet.tmp-999").write_bytes(b"half")  # a done shard's leftover
+    (out / "data" / ".shard-00001.parquet.tmp-999999999").write_bytes(b"half")
+    (out / "images" / ".shard-00001.tmp-999999999").mkdir()
+    (out / "data" / ".shard-00002.parquet.tmp-999999999").write_bytes(b"half")  # a done shard's leftover
     # The folder is shared with other nodes (NFS): another node's write in flight is kept, whatever its pid
     # means here; another node's leftover untouched for longer than the lock's timeout goes.
     here = socket.gethostname()
