@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LAUNCH, file_snapshot, launch, read_rows, run_clean, shifted_clock, slow_job
+from conftest import LAUNCH, file_snapshot, launch, read_rows, shifted_clock, slow_job
 
 N = 24  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run
 
@@ -27,7 +27,12 @@ def job(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clean(job, tmp_path_factory):
-    return run_clean(job, tmp_path_factory.mktemp("clean"))
+    # Workers started as torchrun starts them (a fresh interpreter each, as on TPU and CUDA hosts): every rerun
+    # below, forked on this CPU host, must give these same bytes.
+    out = tmp_path_factory.mktemp("clean")
+    res = launch(*job, f"output.dir={out}", env={"MESHGEN_WORKER_START": "subprocess"})
+    assert res.returncode == 0 and "workers start as fresh interpreters" in res.stderr, res.stderr[-2000:]
+    return out
 
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:

@@ -18,6 +18,25 @@ def test_dry_run_tiny():
     assert cmd[cmd.index("-m") + 1 :] == ["launcher.worker.main", "conf=tiny"]
 
 
+def test_workers_fork_from_a_preloaded_server_on_cpu_only(monkeypatch):
+    from launcher.errors import ConfigError
+    from launcher.host.worker_start import START_ENV, start_method
+
+    assert start_method("cpu", 2) == "forkserver"
+    assert start_method("cpu", 1) == "subprocess"  # nobody to share the imports with
+    assert start_method("cuda", 8) == start_method("tpu", 8) == "subprocess"  # no device runtime in a forking process
+    assert any("forks these workers" in ln for ln in dry_run())
+    assert not any("forks these workers" in ln for ln in dry_run("mesh.tp=1", "mesh.dp=1"))
+    monkeypatch.setenv(START_ENV, "subprocess")
+    assert start_method("cpu", 2) == "subprocess"
+    assert not any("forks these workers" in ln for ln in dry_run())
+    monkeypatch.setenv(START_ENV, "fork")
+    with pytest.raises(ConfigError, match="MESHGEN_WORKER_START='fork'"):
+        start_method("cpu", 2)
+    res = launch("--dry-run")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: MESHGEN_WORKER_START")
+
+
 def test_dry_run_flux2_tp_needs_no_torch_tpu():
     lines = dry_run("conf=flux2_tp", "generate.seed=3")
     assert any("python -m torch.tpu.distributed" in ln and "nproc_per_node=8" in ln for ln in lines)

@@ -20,6 +20,7 @@ from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld, 
 from launcher.host import prepare
 from launcher.host.space import best_effort, warn_if_short
 from launcher.host.summary import Progress, summarize
+from launcher.host.worker_start import start_method
 from launcher.worker.execution import mode_env
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)  # set before torch is imported, inherited by workers
     tpu_launch_env: bool = False  # torch.tpu.distributed.set_tpu_launch_env(...) in this process first
     torchrun_args: list[str] = field(default_factory=list)
+    start: str = "subprocess"  # how the workers start: launcher/host/worker_start.py
 
     def describe(self, nproc: int, nnodes: int) -> list[str]:
         lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
@@ -38,6 +40,8 @@ class LaunchPlan:
                 f'eval "$(python -m torch.tpu.distributed)"  # TorchTPU launch env: '
                 f"set_tpu_launch_env(nnodes={nnodes}, nproc_per_node={nproc})"
             )
+        if self.start == "forkserver":
+            lines.append("# this host forks these workers from a server that has imported torch and diffusers once")
         lines.append(shlex.join(["torchrun", *self.torchrun_args]))
         return lines
 
@@ -69,14 +73,14 @@ def launch_plan(cfg, conf: str, overrides: list[str], device: str) -> LaunchPlan
         f"conf={conf}",
         *overrides,
     ]
-    return LaunchPlan(env=env, tpu_launch_env=device == "tpu", torchrun_args=args)
+    return LaunchPlan(env=env, tpu_launch_env=device == "tpu", torchrun_args=args, start=start_method(device, nproc))
 
 
-def run_elastic(args: list[str], logs=None) -> int:
+def run_elastic(args: list[str], logs=None, start: str = "subprocess") -> int:
     """Run torchrun's elastic launch in this process; the first failed worker's exit code, or 0.
 
     `logs` (launcher/host/terminal.py's WorkerLogs): the workers' output goes to per-rank files instead of the
-    terminal."""
+    terminal. `start`: how the workers start (launcher/host/worker_start.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
@@ -84,7 +88,7 @@ def run_elastic(args: list[str], logs=None) -> int:
     from launcher.host.terminal import launch_workers
 
     try:
-        launch_workers(parse_args(args), logs)
+        launch_workers(parse_args(args), logs, start)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         where = f"; its log: {logs.rank_log(rank)}" if logs is not None else ""
@@ -96,16 +100,17 @@ def run_elastic(args: list[str], logs=None) -> int:
     return EXIT_OK
 
 
-def run_hosts(cfg, args: list[str], logs=None) -> int:
+def run_hosts(cfg, plan_: LaunchPlan, logs=None) -> int:
     """run_elastic, and on a multi-host job the watch that stops this host when another is lost (exit 3)."""
+    args = plan_.torchrun_args
     if cfg.mesh.nodes == 1:
-        return run_elastic(args, logs)
+        return run_elastic(args, logs, plan_.start)
     from launcher.host.peers import PeerWatch, store_address
 
     node = int(os.environ.get("NODE_RANK", "0"))
     with PeerWatch(node, cfg.mesh.nodes, *store_address()) as watch:
         with watch.agent():
-            code = run_elastic(args, logs)
+            code = run_elastic(args, logs, plan_.start)
         if watch.lost or (code != EXIT_OK and watch.settle()):
             logger.error("lost a host (%s); run the same command on every host to finish the job", watch.lost)
             return EXIT_SHARDS_FAILED
@@ -128,7 +133,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         # One job over several hosts: the first host's launcher keeps the books (lock, plan, records, summary);
         # the others only run their workers.
         os.environ.update(plan_.env)
-        return run_hosts(cfg, plan_.torchrun_args)
+        return run_hosts(cfg, plan_)
     store, sizes, ledger, plan = pf.store, pf.sizes, pf.ledger, pf.plan
     index, _ = resolve_workers(cfg)
     start = time.time()
@@ -205,7 +210,7 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id)
     try:
         with WorkerLogs(store, run_id) as logs, Progress(ledger, samples, run_id):
-            return run_hosts(cfg, plan_.torchrun_args, logs), False
+            return run_hosts(cfg, plan_, logs), False
     finally:
         best_effort("the removal of the run's plan", store.delete, plan_rel(run_id))
 

@@ -142,8 +142,10 @@ class WorkerLogs:
             shutil.rmtree(self.folder.parent, ignore_errors=True)
 
 
-def launch_workers(args, logs: WorkerLogs | None = None) -> None:
-    """What torch.distributed.run.run does with parsed torchrun arguments, with our LogsSpecs when given."""
+def launch_workers(args, logs: WorkerLogs | None = None, start: str = "subprocess") -> None:
+    """What torch.distributed.run.run does with parsed torchrun arguments, with our LogsSpecs when given.
+
+    `start="forkserver"`: the same workers, forked with their imports done (launcher/host/worker_start.py)."""
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
@@ -156,4 +158,13 @@ def launch_workers(args, logs: WorkerLogs | None = None) -> None:
     config, cmd, cmd_args = config_from_args(args)
     if logs is not None:
         config.logs_specs = logs.specs
-    elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    logger.info("workers start %s", "as fresh interpreters" if start == "subprocess" else "forked, imports done")
+    if start == "subprocess":
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        return
+    from launcher.host.worker_start import preloaded_forkserver
+    from launcher.worker.main import entry
+
+    config.start_method = "forkserver"
+    with preloaded_forkserver():
+        elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)

@@ -193,6 +193,8 @@ def _log_event(job: ShardJob) -> None:
         events.warning("shard %d failed: %s", job.index, st.get("error", "").split("\n")[0])
 
 
+WRITER_NICENESS = 10  # added to the writer process's nice value (0 is the default, 19 the lowest priority)
+
 # The writer process's side: its output settings, store and encoders, set up once by _start_writer.
 _OUT: dict = {}
 
@@ -201,6 +203,9 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
     """Initializer of the writer process: open the store, start the encoders, and pay every first-use cost now
     (imports, pyarrow's first Parquet write) rather than while the second shard generates."""
     die_with_parent()
+    # Below the generating process, and its encoders inherit it: where cores are short, a shard written a moment
+    # later costs nothing, while a denoising step delayed is throughput lost (the queue's backpressure bounds it).
+    os.nice(WRITER_NICENESS)
     warm = (np.zeros((8, 8, 3), np.uint8), Encoding.from_config(output_cfg))
     encoders = None
     if encode_workers > 1:  # one encoder needs no pool: the writer process encodes itself

@@ -1,0 +1,16 @@
+"""What every worker imports before it reads its config: imported once by the forkserver that starts CPU workers
+(launcher/host/worker_start.py), so each forked worker starts with it loaded. Imports only: no threads, no device.
+
+Imported there, it also ties the forkserver's life to the launcher's: each worker holds the server's "alive" pipe
+open, so the server would outlive a launcher killed with -9, and the workers, which die with their parent, with
+it. A server that dies with the launcher takes them along.
+"""
+
+import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+from diffusers import DiffusionPipeline  # noqa: F401
+from transformers import PreTrainedModel  # noqa: F401
+
+import launcher.worker.runner  # noqa: F401
+from launcher.errors import die_with_parent
+
+die_with_parent()
