@@ -258,7 +258,9 @@ def test_a_tp_rank_with_other_images_fails_the_shard(tiny_model, tmp_path):
     res = launch(
         f"model.path={tiny_model}", f"output.dir={tmp_path / 'out'}", "dataset.limit=2", "run.shard_size=2",
         "execution.cache=taylorseer", "+execution.cache_options.cache_interval=2",
-        env={"PYTHONPATH": str(hook)},
+        # The hook acts at each rank's interpreter start, by its RANK: workers started as fresh interpreters, not
+        # forked from one server that started before any rank existed.
+        env={"PYTHONPATH": str(hook), "MESHGEN_WORKER_START": "subprocess"},
     )  # fmt: skip
     assert res.returncode == 3, res.stderr[-2000:]
     state = json.loads((tmp_path / "out" / "state" / "shard-00000.json").read_text())

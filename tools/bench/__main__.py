@@ -5,7 +5,7 @@ Prints a table and writes every number as JSON (default bench.json). Parts (each
 - runner (tools/bench/runner.py): the runner (`./launch.sh`, tp=1, writing PNG and Parquet) against a bare
   diffusers loop (`pipe()` per prompt with per-sample generators, nothing written; tools/bench/bare.py), on the
   tiny FLUX.2 model, same prompts, seeds, settings and threads. `s/image` is the marginal time per image after
-  warm-up (the first shard's images); `ratio` is runner over bare (target <= 1.05). `writes ratio` compares the
+  warm-up (the first shard's images); `ratio` is runner over bare (target <= 1.03). `writes ratio` compares the
   runner with writes against the same job with every output off (state files only); `writer wait share` is
   the share of generation time spent waiting for the writer. Time to first image counts from the command's start
   to the first image (the bare loop) or to the first shard's state file (a one-prompt runner job); `runner

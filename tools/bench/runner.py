@@ -117,6 +117,15 @@ def runner_shards(states: list[dict]) -> list[float]:
     return [(s["seconds"] + s["stages"].get("writer_wait", 0.0)) / s["rows"] for s in states]
 
 
+def between_shards(states: list[dict]) -> list[float]:
+    """Seconds from the end of one shard's generation to the start of the next one's, on the one worker: the
+    per-shard bookkeeping that the marginal s/image leaves out (counting truncated prompts, handing the shard to
+    the writer, claiming the next shard and reading its rows from the plan, clearing its leftovers)."""
+    s = sorted(states, key=lambda st: st["started_at"])
+    ends = [a["started_at"] + a["seconds"] + a["stages"].get("warmup", 0.0) + a["stages"]["writer_wait"] for a in s]
+    return [b["started_at"] - end for end, b in zip(ends, s[1:], strict=False)]
+
+
 def bare_shards(seconds: list[float], shard_size: int) -> list[float]:
     """The bare loop's call times cut into the runner's shards: seconds per image of each."""
     return [statistics.fmean(seconds[i : i + shard_size]) for i in range(0, len(seconds), shard_size)]
@@ -156,6 +165,9 @@ def one_repeat(overrides: list[str], work: Path, n: int, shard_size: int, skip: 
         "nowrite_s_per_image": med["nowrite"],
         "writes_ratio": med["runner"] / med["nowrite"],
         "writer_wait_share": sum(s["stages"]["writer_wait"] for s in r["states"]) / busy,
+        "between_shards_s": statistics.median(between_shards(r["states"])),
+        "between_shards_share": statistics.median(between_shards(r["states"]))
+        / statistics.median(s["seconds"] for s in r["states"][skip:]),
         "write_seconds_per_image": statistics.fmean(s.get("write_seconds", 0.0) / s["rows"] for s in r["states"][1:]),
         "first_write_seconds": r["states"][0].get("write_seconds", 0.0),
         "runner_warmup_s_per_image": statistics.fmean(shards["runner"][:skip]),
