@@ -138,6 +138,9 @@ class TestingConfig:
     # the launcher waits, after reading the ledger and before planning, until this file exists (race tests: another
     # worker finishes shards while this one plans)
     hold_after_ledger_read: str | None = None
+    # seconds each batch takes longer, asleep (fault tests: a run slow enough to act on mid-run, like a slow chip,
+    # without burning the CPU that the other tests run on)
+    batch_sleep_s: float = 0.0
 
 
 @dataclass

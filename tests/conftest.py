@@ -77,14 +77,15 @@ def run_job(tiny_model, tmp_path_factory):
 
 
 def slow_job(tiny_model: Path, folder: Path, n: int, *extra: str) -> list[str]:
-    """Overrides of a tiny job over `n` prompts in shards of 2, slow enough (30 steps) to act on mid-run."""
+    """Overrides of a tiny job over `n` prompts in shards of 2, slow enough to act on mid-run (each batch sleeps
+    0.4 s more, as on a slow chip: 30 steps did the same with 7 times the CPU the other tests need)."""
     prompts = folder / "p.txt"
     prompts.write_text("".join(f"prompt number {i}, a small test scene\n" for i in range(n)))
     return [
         f"model.path={tiny_model}",
         f"dataset.path={prompts}",
         "run.shard_size=2",
-        "generate.num_inference_steps=30",
+        "testing.batch_sleep_s=0.4",
         *extra,
     ]
 

@@ -184,6 +184,7 @@ LEFT_OUT = {
     "testing.fail_shards": "[1]",
     "testing.compile_backend": "aot_eager",
     "testing.hold_after_ledger_read": "/tmp/never",
+    "testing.batch_sleep_s": "0.5",
     "dataset.image_column": "picture",  # the references' content hashes are in each shard's prompt fingerprint
 }
 # model.loras is fingerprinted by its files' content: test_loras_are_fingerprinted_by_content_and_scale.

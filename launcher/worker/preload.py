@@ -9,8 +9,13 @@ it. A server that dies with the launcher takes them along.
 import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
 from diffusers import DiffusionPipeline  # noqa: F401
 from transformers import PreTrainedModel  # noqa: F401
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import launcher.worker.runner  # noqa: F401
 from launcher.errors import die_with_parent
 
 die_with_parent()
+
+# transformers builds its table of checkpoint weight renamings (~900 regular expressions, 0.25 s) at a process's
+# first model load, and caches it: built here once, every forked worker starts with it.
+get_checkpoint_conversion_mapping("llama")
