@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from launcher.errors import die_with_parent
 from launcher.logs import setup_logging
+
+CRASH_GRACE_S = 1.0  # a forked rank that crashed waits this long before it exits: see entry()
 
 
 def run(argv: list[str]) -> int:
@@ -34,21 +37,44 @@ def main() -> None:
 
 
 def entry(*argv: str) -> int:
-    """A forked worker: torch elastic has set its environment and redirected its output; it records errors.
+    """A forked worker: torch elastic has set its environment and redirected its output.
 
     Its own session, as torchrun gives each worker: a terminal's Ctrl-C goes to the launcher, which stops the
-    workers in order. The parent it dies with is the forkserver, which ends when the launcher does. A failure is
-    an exit code; success must be a return, which torch elastic waits for from every rank."""
+    workers in order. The parent it dies with is the forkserver, which ends when the launcher does.
+
+    It ends as a fresh interpreter would, never through multiprocessing's exit path: that joins the worker's
+    writer process before anything has told the writer to stop (an interpreter's exit tells it first), so a
+    worker stopped by Ctrl-C or a crash would hang until the agent's SIGKILL 30 s later. Success is a return,
+    which torch elastic waits for from every rank; a failure is an exit code."""
+    import signal
+    import traceback
+
     from setproctitle import setproctitle
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from launcher.errors import exit_with
 
     os.setsid()
     # ps, pkill -f and psutil see what torchrun would have started, not the forkserver's command line
     setproctitle(" ".join([sys.executable, "-m", __spec__.name, *argv]))
     die_with_parent()
     setup_logging()
-    code = run(list(argv))
+    try:
+        code = record(run)(list(argv))  # record: the error file that names the rank that failed first
+    except KeyboardInterrupt:  # die of the signal, as an interpreter does; the writer dies with us
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:  # noqa: BLE001 - a crash: its traceback, then exit 1 (exit handlers would join the writer)
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Torch elastic names a forked group's failed rank by rank order among those found dead at one poll (every
+        # 0.1 s), not by time: a rank that fails because a peer died (a collective broke) must not be found first,
+        # or the job's exit code would be this 1 instead of the peer's own (137 for a kill -9).
+        time.sleep(CRASH_GRACE_S)
+        os._exit(1)
     if code:
-        sys.exit(code)
+        exit_with(code)
     return code
 
 
