@@ -155,6 +155,7 @@ def one_repeat(overrides: list[str], work: Path, n: int, shard_size: int, skip: 
     med = {k: statistics.median(v[skip:]) for k, v in shards.items()}
     mean = {k: statistics.fmean(v[skip:]) for k, v in shards.items()}
     busy = sum(s["seconds"] + s["stages"]["writer_wait"] for s in r["states"])
+    gap = statistics.median(between_shards(r["states"]))
     return {
         "images": n,
         "images_measured": n - skip * shard_size,
@@ -165,9 +166,8 @@ def one_repeat(overrides: list[str], work: Path, n: int, shard_size: int, skip: 
         "nowrite_s_per_image": med["nowrite"],
         "writes_ratio": med["runner"] / med["nowrite"],
         "writer_wait_share": sum(s["stages"]["writer_wait"] for s in r["states"]) / busy,
-        "between_shards_s": statistics.median(between_shards(r["states"])),
-        "between_shards_share": statistics.median(between_shards(r["states"]))
-        / statistics.median(s["seconds"] for s in r["states"][skip:]),
+        "between_shards_s": gap,
+        "between_shards_share": gap / statistics.median(s["seconds"] for s in r["states"][skip:]),
         "write_seconds_per_image": statistics.fmean(s.get("write_seconds", 0.0) / s["rows"] for s in r["states"][1:]),
         "first_write_seconds": r["states"][0].get("write_seconds", 0.0),
         "runner_warmup_s_per_image": statistics.fmean(shards["runner"][:skip]),
