@@ -18,38 +18,45 @@ from pathlib import Path
 from launcher.models import Family
 
 
-def build_tiny(out_dir: str | os.PathLike) -> Path:
+def tiny_text_encoder(tokenizer, vocab_size: int, vision_ids: list[int], max_positions: int):
+    """The tiny Qwen2.5-VL of both tiny Qwen pipelines, seeded: `vision_ids` are the image, video, vision-start and
+    vision-end token ids. 4 heads and 2 KV heads: tp=2 divides both. mrope_section sums to head_dim / 2."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from launcher.models._tiny import qwen_tokenizer, save_atomically
-
-    tokenizer = qwen_tokenizer()
-    n = len(tokenizer)  # the vision tokens take the ids after the tokenizer's (a prompt never contains them)
+    image, video, start, end = vision_ids
     torch.manual_seed(0)
-    # 4 heads, 2 KV heads: tp=2 divides both. mrope_section sums to head_dim / 2.
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=n + 4,
+            vocab_size=vocab_size,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=2048,
+            max_position_embeddings=max_positions,
             rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [1, 1, 2]},
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.eos_token_id,  # the real one's too: no separate BOS
             eos_token_id=tokenizer.eos_token_id,
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
-        image_token_id=n,
-        video_token_id=n + 1,
-        vision_start_token_id=n + 2,
-        vision_end_token_id=n + 3,
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_tiny(out_dir: str | os.PathLike) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    from launcher.models._tiny import qwen_tokenizer, save_atomically
+
+    tokenizer = qwen_tokenizer()
+    n = len(tokenizer)  # the vision tokens take the ids after the tokenizer's (a prompt never contains them)
+    text_encoder = tiny_text_encoder(tokenizer, n + 4, [n, n + 1, n + 2, n + 3], max_positions=2048)
     transformer, vae = tiny_transformer_and_vae()
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),

@@ -17,15 +17,14 @@ import os
 from pathlib import Path
 
 from launcher.models import Family
-from launcher.models.qwenimage import _call_kwargs, tiny_transformer_and_vae
+from launcher.models.qwenimage import _call_kwargs, tiny_text_encoder, tiny_transformer_and_vae
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def build_tiny(out_dir: str | os.PathLike) -> Path:
-    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
     from launcher.models._qwen_vl_processor import ImageOnlyQwenVLProcessor
     from launcher.models._tiny import QWEN_SPECIAL, qwen_tokenizer, save_atomically
@@ -34,28 +33,8 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:] + VISION_TOKENS})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     processor = ImageOnlyQwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [1, 1, 2]},
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    vision_ids = [ids[t] for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")]
+    text_encoder = tiny_text_encoder(tokenizer, len(tokenizer), vision_ids, max_positions=4096)
     transformer, vae = tiny_transformer_and_vae()
     pipe = QwenImageEditPlusPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9),
