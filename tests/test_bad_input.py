@@ -118,6 +118,8 @@ CASES = {
     "batch-size-below-1": (["generate.batch_size=0"], ["generate.batch_size=0"]),
     "shard-size-below-1": (["run.shard_size=0"], ["run.shard_size=0"]),
     "negative-guidance": (["generate.guidance_scale=-1"], ["generate.guidance_scale=-1"]),
+    "negative-batch-sleep": (["testing.batch_sleep_s=-1"], ["testing.batch_sleep_s=-1.0", "between 0 and 60"]),
+    "nan-batch-sleep": (["testing.batch_sleep_s=nan"], ["testing.batch_sleep_s=nan", "between 0 and 60"]),
     # Run and output
     "shards-that-do-not-exist": (["run.shards=[0,5]"], ["run.shards", "[5]", "3 shards"]),
     "output-dir-is-a-file": (["output.dir={tmp}/afile"], ["output.dir", "afile", "is a file"]),

@@ -42,6 +42,8 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
     if g.guidance_scale < 0:
         raise ConfigError(f"generate.guidance_scale={g.guidance_scale} is negative; use 0 or more")
+    if not 0 <= cfg.testing.batch_sleep_s <= 60:  # NaN fails both comparisons
+        raise ConfigError(f"testing.batch_sleep_s={cfg.testing.batch_sleep_s} must be between 0 and 60 seconds")
     from launcher.ledger.bounds import config_problems
 
     if problems := config_problems(g):  # what would exhaust a host or make nothing but black images
