@@ -47,25 +47,50 @@ def launcher_main():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from launcher.models.flux2 import build_tiny as build_tiny_flux2
+def once(tmp_path_factory, worker_id):
+    """once(name, make) -> a folder that make(folder) filled, made once per `make test` for all xdist workers.
 
-    return build_tiny_flux2(tmp_path_factory.mktemp("model") / "tiny-flux2")
+    The first worker to ask makes it under an exclusive lock while the others wait for it (waiting costs no CPU,
+    and CPU is what the suite runs out of); a failed make leaves nothing, so the next asker tries again. Callers
+    must not change what they get: copy it first."""
+    import fcntl
+    import hashlib
+    import shutil
+
+    # Every xdist worker's temporary folder sits in the one of this `pytest` call; a lone pytest has only its own.
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if worker_id != "master" else root) / "once"
+    shared.mkdir(exist_ok=True)
+
+    def get(name: str, make) -> Path:
+        folder = shared / hashlib.sha256(name.encode()).hexdigest()[:16]
+        with open(f"{folder}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not folder.exists():
+                building = folder.with_name(folder.name + ".tmp")
+                shutil.rmtree(building, ignore_errors=True)
+                building.mkdir()
+                make(building)
+                building.rename(folder)
+        return folder
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_family(tmp_path_factory):
+def tiny_family(once):
     """tiny_family(name) -> the folder of that family's tiny pipeline (flux1, sd3, ...), built once per session."""
     from launcher.models import build
 
-    built: dict[str, Path] = {}
-
     def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build(f"tiny_{name}", tmp_path_factory.mktemp("model") / f"tiny-{name}")
-        return built[name]
+        return once(f"model {name}", lambda d: build(f"tiny_{name}", d / f"tiny-{name}")) / f"tiny-{name}"
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_family) -> Path:
+    return tiny_family("flux2")
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -75,17 +100,16 @@ def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> s
 
 
 @pytest.fixture(scope="session")
-def run_job(tiny_model, tmp_path_factory):
-    """run_job(*overrides) -> output folder of the tiny job with those overrides; each distinct job runs once."""
-    cache: dict[tuple, Path] = {}
+def run_job(tiny_model, once):
+    """run_job(*overrides) -> output folder of the tiny job with those overrides; each distinct job runs once per
+    `make test`, whichever module asks first. Read it, or copy it before changing anything."""
+
+    def make(out: Path, overrides: tuple[str, ...]) -> None:
+        res = launch(f"model.path={tiny_model}", f"output.dir={out}", *overrides)
+        assert res.returncode == 0, res.stderr[-3000:]
 
     def run(*overrides: str) -> Path:
-        if overrides not in cache:
-            out = tmp_path_factory.mktemp("run")
-            res = launch(f"model.path={tiny_model}", f"output.dir={out}", *overrides)
-            assert res.returncode == 0, res.stderr[-3000:]
-            cache[overrides] = out
-        return cache[overrides]
+        return once(f"run {overrides}", lambda d: make(d / "out", overrides)) / "out"
 
     return run
 
@@ -102,6 +126,24 @@ def slow_job(tiny_model: Path, folder: Path, n: int, *extra: str) -> list[str]:
         "testing.batch_sleep_s=0.4",
         *extra,
     ]
+
+
+SLOW_N = 32  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run five times
+
+
+@pytest.fixture(scope="session")
+def slow(tiny_model, once, tmp_path_factory) -> tuple[list[str], Path]:
+    """(job, clean): the slow job over SLOW_N prompts that the fault tests interrupt, and its clean run, made once.
+
+    The clean run starts its workers as torchrun does (a fresh interpreter each, as on TPU and CUDA hosts): every
+    rerun, forked on this CPU host, must give these same bytes."""
+    job = slow_job(tiny_model, tmp_path_factory.mktemp("slow"), SLOW_N)
+
+    def make(d: Path) -> None:
+        res = launch(*job, f"output.dir={d / 'out'}", env={"MESHGEN_WORKER_START": "subprocess"})
+        assert res.returncode == 0 and "workers start as fresh interpreters" in res.stderr, res.stderr[-2000:]
+
+    return job, once("slow clean", make) / "out"
 
 
 def run_clean(job: list[str], out: Path) -> Path:

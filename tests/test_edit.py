@@ -74,13 +74,17 @@ def bare_edit(model: Path, refs: list[bytes], prompt: str, seeds: list[int] | in
 
 
 _PIPES: dict = {}
+# The edits of the source's first 4 rows that several tests share (each run costs a torchrun start): at dp=1
+# keeping the references' bytes, and at dp=2 without them.
+ONE = ("mesh.tp=1", "output.reference_bytes=true", "dataset.limit=4")
+DP2 = ("mesh.tp=1", "mesh.dp=2", "dataset.limit=4")
 FLUX2_KW = dict(guidance_scale=4.0, max_sequence_length=256, text_encoder_out_layers=(1, 2))
 
 
 def test_edit_chained_onto_a_run_keeps_rows_lineage_and_equals_a_bare_loop(source, edit, tiny_model):
     import datasets
 
-    out = edit(f"dataset.path={source}", "mesh.tp=1", "output.reference_bytes=true", "dataset.limit=4")
+    out = edit(f"dataset.path={source}", *ONE)
     before, after = read_rows(source), read_rows(out)
     assert sorted(after, key=int) == ["0", "1", "2", "3"]
     for sid, r in after.items():
@@ -110,8 +114,8 @@ def test_the_contact_sheet_shows_before_and_after(source, edit, monkeypatch):
 
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     cs = importlib.import_module("contact_sheet")
-    # The references are read back from their lineage here (this run did not keep their bytes).
-    out = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4")
+    # The references are read back from their lineage here: the dp=2 run did not keep their bytes.
+    out = edit(f"dataset.path={source}/data/*.parquet", *DP2)
     before, after = read_rows(source), read_rows(out)
     sheet = cs.contact_sheet(out, n=4, cols=2)
     assert sheet.size == (2 * (2 * cs.THUMB + 2 * cs.PAD), 2 * cs.CELL_H)
@@ -125,8 +129,8 @@ def test_the_contact_sheet_shows_before_and_after(source, edit, monkeypatch):
 
 
 def test_edit_dp2_equals_dp1_and_tp2_staged_is_within_2_levels(source, edit):
-    one = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4")
-    dp2 = edit(f"dataset.path={source}/data/*.parquet", "mesh.tp=1", "mesh.dp=2", "dataset.limit=4")
+    one = edit(f"dataset.path={source}", *ONE)
+    dp2 = edit(f"dataset.path={source}/data/*.parquet", *DP2)
     a, b = read_rows(one), read_rows(dp2)
     assert {k: r["image"]["bytes"] for k, r in a.items()} == {k: r["image"]["bytes"] for k, r in b.items()}
     assert max_diff(one, edit(f"dataset.path={source}", "execution.staged=true", "dataset.limit=4")) <= 2
@@ -135,7 +139,7 @@ def test_edit_dp2_equals_dp1_and_tp2_staged_is_within_2_levels(source, edit):
 def test_edit_compiled_with_static_shapes_writes_webdataset(source, edit):
     import tarfile
 
-    eager = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4")
+    eager = edit(f"dataset.path={source}", *ONE)
     ov = ("execution.mode=compile", "testing.compile_backend=aot_eager", "output.webdataset=true")
     out = edit(f"dataset.path={source}", "mesh.tp=1", "dataset.limit=4", *ov)
     assert max_diff(eager, out) <= 2

@@ -15,24 +15,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LAUNCH, file_snapshot, launch, read_rows, shifted_clock, slow_job
+from conftest import LAUNCH, SLOW_N, file_snapshot, launch, read_rows, shifted_clock
 
-N = 24  # prompts, in shards of 2: long enough (about 0.5 s a shard) to interrupt mid-run
-
-
-@pytest.fixture(scope="module")
-def job(tiny_model, tmp_path_factory):
-    return slow_job(tiny_model, tmp_path_factory.mktemp("prompts"), N)
+N = SLOW_N
 
 
 @pytest.fixture(scope="module")
-def clean(job, tmp_path_factory):
-    # Workers started as torchrun starts them (a fresh interpreter each, as on TPU and CUDA hosts): every rerun
-    # below, forked on this CPU host, must give these same bytes.
-    out = tmp_path_factory.mktemp("clean")
-    res = launch(*job, f"output.dir={out}", env={"MESHGEN_WORKER_START": "subprocess"})
-    assert res.returncode == 0 and "workers start as fresh interpreters" in res.stderr, res.stderr[-2000:]
-    return out
+def job(slow) -> list[str]:
+    return slow[0]
+
+
+@pytest.fixture(scope="module")
+def clean(slow) -> Path:
+    return slow[1]
 
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
@@ -60,15 +55,6 @@ def workers_of(out: Path) -> list[psutil.Process]:
     return procs
 
 
-def rerun_matches_clean(job: list[str], out: Path, clean: Path) -> None:
-    """The same command again finishes the interrupted job, with the same bytes as a clean run."""
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_as_clean(out, clean)
-    # A killed run's plan file and the finished folder's empty claims/ and plans/ are gone (issue 21).
-    assert not (out / "plans").exists() and not (out / "claims").exists()
-
-
 def assert_same_as_clean(out: Path, clean: Path, n: int = N) -> None:
     data = lambda d: {k: v[0] for k, v in file_snapshot(d).items() if k.startswith(("data/", "images/"))}  # noqa: E731
     assert data(out) == data(clean)
@@ -76,29 +62,28 @@ def assert_same_as_clean(out: Path, clean: Path, n: int = N) -> None:
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".stale" in p.name]
 
 
-def test_kill9_of_the_whole_job_then_the_same_command_finishes_it(job, clean, tmp_path):
-    out = tmp_path / "out"
+def interrupted(job: list[str], out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A run of `job` into `out`, once it has finished one more shard than the folder held: (launcher, workers)."""
+    before = done_count(out)
     proc = start(*job, f"output.dir={out}")
-    wait_for(lambda: done_count(out) >= 2)
-    launcher = psutil.Process(proc.pid)
-    everyone = launcher.children(recursive=True)  # workers, their writer processes and encoders
-    assert len(everyone) > len(workers_of(out)) == 2
-    victims = [launcher, *workers_of(out)]
-    for p in victims:
-        p.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(everyone, timeout=10)
-    assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
-    assert 2 <= done_count(out) < N // 2
-    rerun_matches_clean(job, out, clean)
-
-
-def test_sigterm_to_the_launcher_alone_stops_the_job(job, clean, tmp_path):
-    out = tmp_path / "out"
-    proc = start(*job, f"output.dir={out}")
-    wait_for(lambda: done_count(out) >= 1)
+    wait_for(lambda: done_count(out) > before)
     workers = workers_of(out)
     assert len(workers) == 2
+    return proc, workers
+
+
+def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean, tmp_path):
+    """One folder, stopped five ways in turn; each run adds shards, and the same command finishes it once, with the
+    bytes of a clean run, while a second launch on the busy folder is refused."""
+    out = tmp_path / "out"
+
+    proc, workers = interrupted(job, out)  # Ctrl-C
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive and not workers_of(out)
+
+    proc, workers = interrupted(job, out)  # systemctl stop, a scheduler's preemption
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
@@ -106,43 +91,11 @@ def test_sigterm_to_the_launcher_alone_stops_the_job(job, clean, tmp_path):
     print(f"SIGTERM stopped the job in {stop_s:.2f} s")
     assert code == 128 + signal.SIGTERM
     assert stop_s < 15
-    gone, alive = psutil.wait_procs(workers, timeout=5)
-    assert not alive and not workers_of(out)
-    assert done_count(out) < N // 2
-    rerun_matches_clean(job, out, clean)
-
-
-def test_sigint_to_the_launcher_exits_130_and_stops_the_workers(job, tmp_path):
-    out = tmp_path / "out"
-    proc = start(*job, f"output.dir={out}")
-    wait_for(lambda: done_count(out) >= 1)
-    workers = workers_of(out)
-    assert len(workers) == 2
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 128 + signal.SIGINT
-    _, alive = psutil.wait_procs(workers, timeout=10)
+    _, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive and not workers_of(out)
 
-
-def test_kill9_of_the_launcher_alone_takes_its_workers_with_it(job, tmp_path):
-    """Nobody is left to stop them: the workers, their writers and encoders die with their parent (PDEATHSIG)."""
-    out = tmp_path / "out"
-    proc = start(*job, f"output.dir={out}")
-    wait_for(lambda: done_count(out) >= 1)
-    everyone = psutil.Process(proc.pid).children(recursive=True)
-    assert len(workers_of(out)) == 2
-    proc.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(everyone, timeout=20)
-    assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
-    assert done_count(out) < N
-
-
-def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp_path):
-    out = tmp_path / "out"
-    proc = start(*job, f"output.dir={out}")
-    wait_for(lambda: done_count(out) >= 1)
-    victim = max(workers_of(out), key=lambda p: p.pid)
+    proc, workers = interrupted(job, out)  # a rank dies (OOM killer)
+    victim = max(workers, key=lambda p: p.pid)
     t0 = time.time()
     victim.kill()
     code = proc.wait(timeout=120)
@@ -150,12 +103,50 @@ def test_a_dead_rank_fails_the_job_quickly_and_a_rerun_completes(job, clean, tmp
     print(f"a dead rank ended the job in {notice_s:.2f} s")
     assert code == 128 + signal.SIGKILL and notice_s < 30  # the README's "within about a second" is measured
     assert not workers_of(out)
-    rerun_matches_clean(job, out, clean)
+
+    # kill -9 of the launcher alone: nobody is left to stop the workers, their writers and encoders; they die with
+    # their parent (PDEATHSIG).
+    proc, _ = interrupted(job, out)
+    everyone = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(everyone, timeout=20)
+    assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
+
+    proc, workers = interrupted(job, out)  # kill -9 of the whole job, a lost VM
+    launcher = psutil.Process(proc.pid)
+    everyone = launcher.children(recursive=True)  # workers, their writer processes and encoders
+    assert len(everyone) > len(workers)
+    for p in (launcher, *workers):
+        p.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(everyone, timeout=10)
+    assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
+    assert 5 <= done_count(out) < N // 2
+
+    # The same command finishes it. Its host clock runs 90 s ahead, and a second launch meanwhile is refused:
+    # liveness never compares two hosts' clocks.
+    before = done_count(out)
+    last = start(*job, f"output.dir={out}", env=shifted_clock(tmp_path, 90))
+    wait_for(lambda: done_count(out) > before)
+    res = launch(*job, f"output.dir={out}")
+    assert res.returncode == 4
+    assert "another run is active" in res.stderr and f"pid {last.pid}" in res.stderr
+    assert last.wait(timeout=120) == 0, last.stderr.read()[-2000:]
+    assert_same_as_clean(out, clean)
+    # The killed runs' plan files and the finished folder's empty claims/ and plans/ are gone (issue 21).
+    assert not (out / "plans").exists() and not (out / "claims").exists()
 
 
 def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}"]
+    # run.on_error=abort stops at the first failure: shard 0 failed, shard 1 never started.
+    res = launch(*args, "testing.fail_shards=[0]", "run.on_error=abort", "dataset.limit=16")
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert json.loads((out / "state" / "shard-00000.json").read_text())["status"] == "failed"
+    assert not (out / "state" / "shard-00001.json").exists()
+    # The default goes on past a failure; the plain run retries the failed shard 0.
     res = launch(*args, "testing.fail_shards=[1]", "dataset.limit=16")  # shards 0 and 1 of the 3
     assert res.returncode == 3, res.stderr[-2000:]
     status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", str(out), "--json"]))
@@ -203,17 +194,9 @@ def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
     assert read_rows(out) == read_rows(run_job())
 
 
-def test_abort_stops_at_the_first_failure(tiny_model, tmp_path):
-    out = tmp_path / "out"
-    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "testing.fail_shards=[0]", "run.on_error=abort")
-    assert res.returncode == 3, res.stderr[-2000:]
-    assert json.loads((out / "state" / "shard-00000.json").read_text())["status"] == "failed"
-    assert not (out / "state" / "shard-00001.json").exists()
-
-
 def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
-    assert launch(f"model.path={tiny_model}", f"output.dir={out}", "run.shards=[0]").returncode == 0
+    shutil.copytree(run_job(), out)
     res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5")
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
@@ -222,18 +205,6 @@ def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_pat
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "run.json").read_text())["settings"]["generate"]["seed"] == 5
     assert len(read_rows(out)) == 20
-
-
-def test_a_second_launch_on_a_busy_folder_exits_4(job, clean, tmp_path):
-    """Also when the live run's host clock runs 90 s ahead: liveness never compares two hosts' clocks."""
-    out = tmp_path / "out"
-    first = start(*job, f"output.dir={out}", env=shifted_clock(tmp_path, 90))
-    wait_for(lambda: done_count(out) >= 1)
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 4
-    assert "another run is active" in res.stderr and f"pid {first.pid}" in res.stderr
-    assert first.wait(timeout=120) == 0
-    assert_same_as_clean(out, clean)
 
 
 def test_leftovers_of_a_killed_write_are_cleaned(run_job, tiny_model, tmp_path):

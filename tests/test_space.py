@@ -10,10 +10,10 @@ import subprocess
 import warnings
 
 import pytest
-from conftest import launch, read_rows, run_clean, slow_job
+from conftest import SLOW_N, launch, read_rows
 from test_faults import assert_same_as_clean
 
-N = 24
+N = SLOW_N  # the fault tests' slow job: its clean run is shared with them
 
 
 def _mount_small_disk(mnt, tmp_path) -> str | None:
@@ -44,9 +44,8 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_finishes(tiny_model, small_disk, tmp_path):
-    job = slow_job(tiny_model, tmp_path, N, "generate.num_inference_steps=2")
-    clean = run_clean(job, tmp_path / "clean")
+def test_a_full_disk_stops_the_run_cleanly_and_the_same_command_finishes(slow, small_disk):
+    job, clean = slow
     need = sum(p.stat().st_size for p in clean.rglob("*") if p.is_file() and p.parts[len(clean.parts)] != "locks")
     filler = small_disk / "filler"
     # Room for the bookkeeping and about a third of the shards' files.
