@@ -73,6 +73,36 @@ def test_exclusive_create_never_shows_a_partial_file(tmp_path):
     assert [p.name for p in (tmp_path / "x").iterdir()] == ["y.json"]  # no temporary file left
 
 
+@pytest.mark.parametrize("when", ["inside-mkdir", "after-mkdir"])
+def test_a_claim_survives_a_peer_removing_the_shards_empty_folder(tmp_path, monkeypatch, when):
+    """A dp replica that finished shard 2 removes claims/shard-00002 once empty, just as another replica claims
+    the shard (seen in `make test`: the claimer crashed with FileExistsError, and the job with it). The claim is
+    made; the shard's done state then makes the claimer give it up."""
+    from pathlib import Path
+
+    store = Store(tmp_path)
+    folder = tmp_path / "claims" / "shard-00002"
+    folder.mkdir(parents=True)
+    real_mkdir, removed = Path.mkdir, []
+
+    def peer_removes(self, *args, **kwargs):
+        if self == folder and not removed:  # the peer's rmdir lands in the middle, once
+            removed.append(True)
+            if when == "inside-mkdir":  # mkdir found the folder; is_dir() then finds none: pathlib raises
+                folder.rmdir()
+                raise FileExistsError(17, "File exists", str(folder))
+            real_mkdir(self, *args, **kwargs)
+            folder.rmdir()  # between our mkdir and our open
+            return
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", peer_removes)
+    store.write_json("state/shard-00002.json", {"status": "done", "attempt": "run-a/g00000"})
+    late = Claims(store, 1, "run-a")
+    assert not late.try_claim(2, seen=None) and removed  # claimed, then given up: it is done
+    assert not folder.exists() and not late.held
+
+
 def test_ids_that_collide_as_file_names_are_refused(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "a", "key": "a/b"}\n{"prompt": "b", "key": "a_b"}\n')
     with pytest.raises(ConfigError, match=r"'a/b' and 'a_b' both become the file name a_b.png"):

@@ -1,6 +1,7 @@
 """The tiny job end to end through launch.sh and torchrun: real processes, real files read back."""
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 from conftest import file_snapshot, launch, max_diff, pixels, read_rows
@@ -37,8 +38,9 @@ def test_hf_datasets_loads_the_image_feature(run_job):
     assert ds[0]["image"].size == (64, 64) and len(ds) == N_PROMPTS
 
 
-def test_rerunning_a_finished_job_does_nothing(run_job, tiny_model):
-    out = run_job()
+def test_rerunning_a_finished_job_does_nothing(run_job, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run_job(), out)  # with its files' times: the rerun must leave them as they are
     before = file_snapshot(out)
     res = launch(f"model.path={tiny_model}", f"output.dir={out}")
     assert res.returncode == 0, res.stderr

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 TMP_MARK = ".tmp-"
 RETRIES = 4  # attempts of one object-store call
 RETRY_DELAY_S = 0.5  # before the second attempt; doubled before each next one
+FOLDER_RACE_TRIES = 5  # to make a local folder that another process removes the moment it is empty
 
 HOST = socket.gethostname().replace("/", "_")
 
@@ -150,10 +151,9 @@ class Store:
     def _synced_temp(self, rel: str, data: bytes) -> tuple[Path, Path]:
         """`data` in a hidden temporary file beside `rel`, on disk for good; (final path, temporary path)."""
         path = self.local(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(tmp_name(path.name))
+        tmp, f = _open_temp_beside(path)
         try:
-            with open(tmp, "wb") as f:
+            with f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -174,12 +174,12 @@ class Store:
 
         if self.is_local:
             path = self.local(rel)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(tmp_name(path.name))
+            tmp, f = _open_temp_beside(path)
         else:
             tmp = Path(tempfile.mkdtemp(prefix="meshgen-")) / "upload"
+            f = open(tmp, "wb")
         try:
-            with open(tmp, "wb") as f:
+            with f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
@@ -259,6 +259,23 @@ class Store:
         if self.scheme == "gs":
             return _gcs_create_exclusive(bucket, key, data)
         raise NotImplementedError(f"no atomic create for {self.scheme}://")
+
+
+def _open_temp_beside(path: Path):
+    """(temporary path, its file open for writing): a new hidden file beside `path`, its folder made as needed.
+
+    Another process may remove that folder the moment it is empty (a shard's claims folder goes once the shard is
+    done, and claims/ and plans/ once a run is finished) while a peer is writing there: between our mkdir and our
+    open, or inside mkdir (it found the folder, then no folder). Make it again; the remover is done by then."""
+    tmp = path.with_name(tmp_name(path.name))
+    for _ in range(FOLDER_RACE_TRIES - 1):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return tmp, open(tmp, "wb")
+        except (FileExistsError, FileNotFoundError):
+            continue
+    path.parent.mkdir(parents=True, exist_ok=True)  # the last try raises what it meets (a file in the way, say)
+    return tmp, open(tmp, "wb")
 
 
 def _s3_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
