@@ -61,6 +61,10 @@ def once(tmp_path_factory, worker_id):
     root = tmp_path_factory.getbasetemp()
     shared = (root.parent if worker_id != "master" else root) / "once"
     shared.mkdir(exist_ok=True)
+    seen: dict[Path, dict] = {}  # what each folder held when this worker got it
+
+    def listing(folder: Path) -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
     def get(name: str, make) -> Path:
         folder = shared / hashlib.sha256(name.encode()).hexdigest()[:16]
@@ -72,9 +76,13 @@ def once(tmp_path_factory, worker_id):
                 building.mkdir()
                 make(building)
                 building.rename(folder)
+            seen.setdefault(folder, listing(folder))
         return folder
 
-    return get
+    yield get
+    # A test that writes into a shared folder breaks another module's test, on whichever worker runs it after.
+    changed = [str(f) for f, before in seen.items() if listing(f) != before]
+    assert not changed, f"a test changed a folder that once() made for every module (copy it first): {changed}"
 
 
 @pytest.fixture(scope="session")
