@@ -177,9 +177,9 @@ class Store:
             tmp, f = _open_temp_beside(path)
         else:
             tmp = Path(tempfile.mkdtemp(prefix="meshgen-")) / "upload"
-            f = open(tmp, "wb")
+            f = None  # opened inside the try: its temporary folder goes whatever happens
         try:
-            with f:
+            with f or open(tmp, "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
