@@ -76,17 +76,25 @@ def exit_with(code: int) -> NoReturn:
     os._exit(code)
 
 
-def die_with_parent() -> None:
+LAUNCHER_PID_ENV = "MESHGEN_LAUNCHER_PID"  # set by the launcher for its workers: the parent they must die with
+
+
+def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
 
     torchrun puts each worker in its own session, so a kill -9 of the launcher would orphan it; and a pool process
     (writer, encoder) waits on a queue whose write end it holds itself, so it would wait for ever. The signal is
     tied to the parent *thread*: call this in a child started by a thread that lives as long as its parent.
+
+    `parent`: the pid of the process that started this one, as that process knew it. A child asks only once it
+    runs, after its imports (a spawned writer: a second or more): a parent that died before then has already
+    handed it to init, and `os.getppid()` would name init as the parent to die with. Seen in the suite: a worker
+    stopped right after starting its writer left the writer waiting for ever, holding the job's stderr open.
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect, or before we asked
         os._exit(1)

@@ -1,6 +1,8 @@
 """The background writer, in this process: `output.encode_workers` starts that many encoder processes, and
 `output.queue_shards` is how many finished shards wait for the writer before generation waits."""
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -91,3 +93,38 @@ def test_queue_shards_finished_shards_wait_then_generation_waits(tmp_path):
     third.join(120)
     writer.close()
     assert sorted(read_rows(tmp_path)) == sorted(f"{i}-{k}" for i in range(4) for k in range(3))
+
+
+# A rank that starts its writer and dies at once, before the writer process has run its first line (it spawns and
+# imports for a second): a peer's failure makes torch elastic stop the rank exactly there.
+DIES_AT_ONCE = """
+import os, sys
+from launcher.config import load_config
+from launcher.ledger.store import Store
+from launcher.worker.bgwriter import BackgroundWriter
+w = BackgroundWriter(Store(sys.argv[1]), load_config("tiny").output, 1, on_recorded=lambda i: None)
+print(*w._process._processes, flush=True)
+os._exit(3)
+"""
+
+
+def test_a_writer_whose_rank_died_before_it_started_ends_too(tmp_path):
+    rank = subprocess.Popen([sys.executable, "-c", DIES_AT_ONCE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    (writer,) = map(int, rank.stdout.readline().split())
+    # Found in CI: the orphaned writer named init as the parent to die with, then waited for work for ever while
+    # holding the rank's stdout and stderr, so the job's own output never ended (a test timed out after 300 s).
+    try:
+        rank.communicate(timeout=60)  # its end of file: nobody holds the rank's output any more
+        assert rank.returncode == 3
+        assert _gone(writer, 60)
+    finally:
+        if not _gone(writer, 0):
+            psutil.Process(writer).kill()
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    try:
+        _, alive = psutil.wait_procs([psutil.Process(pid)], timeout=timeout)
+        return not alive or alive[0].status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -85,8 +85,10 @@ def run_elastic(args: list[str], logs=None, start: str = "subprocess") -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
 
+    from launcher.errors import LAUNCHER_PID_ENV
     from launcher.host.terminal import launch_workers
 
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the parent every worker dies with: launcher/errors.py
     try:
         launch_workers(parse_args(args), logs, start)
     except ChildFailedError as e:
@@ -97,6 +99,8 @@ def run_elastic(args: list[str], logs=None, start: str = "subprocess") -> int:
     except SignalException as e:
         logger.error("stopped by signal %s; done shards are kept, rerun the same command to finish", e.sigval)
         return 128 + int(e.sigval)
+    finally:  # not for processes this one starts later (the tests run torchrun themselves after a launch)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
     return EXIT_OK
 
 

@@ -73,7 +73,7 @@ class BackgroundWriter:
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
         self._ctx = multiprocessing.get_context("spawn")
         plain = OmegaConf.to_object(output_cfg) if OmegaConf.is_config(output_cfg) else output_cfg
-        self._start = (store.uri, plain, encode_workers)
+        self._start = (store.uri, plain, encode_workers, os.getpid())
         self._process = self._new_process()
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
@@ -199,10 +199,10 @@ WRITER_NICENESS = 10  # added to the writer process's nice value (0 is the defau
 _OUT: dict = {}
 
 
-def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
+def _start_writer(uri: str, output_cfg, encode_workers: int, parent: int) -> None:
     """Initializer of the writer process: open the store, start the encoders, and pay every first-use cost now
     (imports, pyarrow's first Parquet write) rather than while the second shard generates."""
-    die_with_parent()
+    die_with_parent(parent)
     # Below the generating process, and its encoders inherit it: where cores are short, a shard written a moment
     # later costs nothing, while a denoising step delayed is throughput lost (the queue's backpressure bounds it).
     os.nice(WRITER_NICENESS)
@@ -210,7 +210,9 @@ def _start_writer(uri: str, output_cfg, encode_workers: int) -> None:
     encoders = None
     if encode_workers > 1:  # one encoder needs no pool: the writer process encodes itself
         ctx = multiprocessing.get_context("spawn")
-        encoders = ProcessPoolExecutor(encode_workers, mp_context=ctx, initializer=die_with_parent)
+        encoders = ProcessPoolExecutor(
+            encode_workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)
+        )
         # Stopped before this process exits: multiprocessing joins children before the executor's own exit hook
         # would tell them to stop, so without this a nested pool hangs the exit.
         multiprocessing.util.Finalize(encoders, encoders.shutdown, exitpriority=10)

@@ -27,7 +27,10 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
-    die_with_parent()
+    from launcher.errors import LAUNCHER_PID_ENV
+
+    # torchrun's own workers have no launcher to name: they die with whatever started them
+    die_with_parent(int(os.environ[LAUNCHER_PID_ENV]) if LAUNCHER_PID_ENV in os.environ else None)
     setup_logging()
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -53,11 +56,12 @@ def entry(*argv: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from launcher.errors import exit_with
+    from launcher.worker.preload import SERVER_PID  # imported already: it is what the server preloads
 
     os.setsid()
     # ps, pkill -f and psutil see what torchrun would have started, not the forkserver's command line
     setproctitle(" ".join([sys.executable, "-m", __spec__.name, *argv]))
-    die_with_parent()
+    die_with_parent(SERVER_PID)
     setup_logging()
     try:
         code = record(run)(list(argv))  # record: the error file that names the rank that failed first

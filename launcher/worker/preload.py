@@ -6,15 +6,18 @@ open, so the server would outlive a launcher killed with -9, and the workers, wh
 it. A server that dies with the launcher takes them along.
 """
 
+import os
+
 import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
 from diffusers import DiffusionPipeline  # noqa: F401
 from transformers import PreTrainedModel  # noqa: F401
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import launcher.worker.runner  # noqa: F401
-from launcher.errors import die_with_parent
+from launcher.errors import LAUNCHER_PID_ENV, die_with_parent
 
-die_with_parent()
+die_with_parent(int(os.environ[LAUNCHER_PID_ENV]) if LAUNCHER_PID_ENV in os.environ else None)
+SERVER_PID = os.getpid()  # in a forked worker: the parent it dies with (launcher/worker/main.py, entry)
 
 # transformers builds its table of checkpoint weight renamings (~900 regular expressions, 0.25 s) at a process's
 # first model load, and caches it: built here once, every forked worker starts with it.
