@@ -46,6 +46,43 @@ def launcher_main():
     logging.root.setLevel(level)
 
 
+SESSION_MARK = "MESHGEN_TEST_SESSION"  # in the environment of every process this pytest process starts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphans():
+    """At the end, no process started by this pytest process (they inherit SESSION_MARK) outlives its parent.
+
+    Every process of a job must end with the job: a writer orphaned under init kept a job's stderr open, so the
+    test that ran it waited 300 s for the end of its output and failed, and only on a loaded machine."""
+    import uuid
+
+    import psutil
+
+    mark = uuid.uuid4().hex
+    os.environ[SESSION_MARK] = mark
+    yield
+    os.environ.pop(SESSION_MARK, None)
+
+    def orphans() -> list:
+        me = psutil.Process()
+        ours = {me.pid} | {p.pid for p in me.children(recursive=True)}  # a live child is not an orphan (yet)
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid not in ours and p.environ().get(SESSION_MARK) == mark and p.status() != "zombie":
+                    found.append(p)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
+
+    _, alive = psutil.wait_procs(orphans(), timeout=10)  # a killed job's processes may still be dying
+    left = [" ".join(p.cmdline())[:300] for p in alive if p.is_running()]
+    for p in alive:
+        p.kill()
+    assert not left, f"processes outlived the tests that started them (killed now): {left}"
+
+
 @pytest.fixture(scope="session")
 def once(tmp_path_factory, worker_id):
     """once(name, make) -> a folder that make(folder) filled, made once per `make test` for all xdist workers.
