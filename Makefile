@@ -23,7 +23,7 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -n 4 --dist loadscope
+	$(BIN)/pytest -q -n 4 --dist loadscope --no-loadscope-reorder
 
 # Mutation checks of launcher/ledger/ and the exit-code decision (pyproject's [tool.mutmut]): every surviving
 # mutant is a change of the product that the fast known-answer tests do not notice. Not part of `make test`.

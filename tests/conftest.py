@@ -18,12 +18,14 @@ LAUNCH = str(REPO / "launch.sh")
 PROMPTS = f"dataset.path={REPO / 'conf' / 'prompts' / 'tiny.txt'}"
 
 
-# The slowest modules first (their wall time on 2 cores, longest first): `make test` hands each module to one
-# xdist worker (--dist loadscope) in collection order, and a long module collected last runs alone at the end
-# while the other workers sit idle (faults, hosts, trust and incremental did: 14 min instead of ~12).
+# The slowest modules first (their wall time in one `make test` on 2 cores, longest first): `make test` hands each
+# module to one xdist worker (--dist loadscope, --no-loadscope-reorder: else xdist orders modules by their number
+# of tests), in collection order, and a long module collected last runs alone at the end while the other workers
+# sit idle (faults, hosts, trust and incremental did: 14 min instead of ~12).
 SLOW_FIRST = (
-    "test_faults test_families test_lora test_edit test_bench test_hosts test_workers test_execution "
-    "test_image_formats test_speed test_sweep test_download test_incremental test_trust test_space"
+    "test_faults test_families test_lora test_edit test_speed test_bench test_hosts test_execution test_sweep "
+    "test_workers test_inputs test_incremental test_trust test_download test_launch test_deploy test_image_formats "
+    "test_bad_input test_terminal test_job test_memory_plan test_space"
 ).split()
 
 
