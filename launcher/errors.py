@@ -79,6 +79,13 @@ def exit_with(code: int) -> NoReturn:
 LAUNCHER_PID_ENV = "MESHGEN_LAUNCHER_PID"  # set by the launcher for its workers: the parent they must die with
 
 
+def launcher_pid() -> int | None:
+    """The launcher's pid from LAUNCHER_PID_ENV; None where no launcher set it (torchrun's own workers), or where
+    the value is no pid: then die_with_parent names the parent it finds."""
+    value = os.environ.get(LAUNCHER_PID_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
 def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
 

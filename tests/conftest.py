@@ -79,9 +79,13 @@ def no_orphans():
         return found
 
     _, alive = psutil.wait_procs(orphans(), timeout=10)  # a killed job's processes may still be dying
-    left = [" ".join(p.cmdline())[:300] for p in alive if p.is_running()]
+    left = []
     for p in alive:
-        p.kill()
+        try:
+            left.append(" ".join(p.cmdline())[:300])
+            p.kill()
+        except psutil.NoSuchProcess:  # ended after all
+            continue
     assert not left, f"processes outlived the tests that started them (killed now): {left}"
 
 

@@ -27,10 +27,9 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
-    from launcher.errors import LAUNCHER_PID_ENV
+    from launcher.errors import launcher_pid
 
-    # torchrun's own workers have no launcher to name: they die with whatever started them
-    die_with_parent(int(os.environ[LAUNCHER_PID_ENV]) if LAUNCHER_PID_ENV in os.environ else None)
+    die_with_parent(launcher_pid())
     setup_logging()
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -14,9 +14,9 @@ from transformers import PreTrainedModel  # noqa: F401
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import launcher.worker.runner  # noqa: F401
-from launcher.errors import LAUNCHER_PID_ENV, die_with_parent
+from launcher.errors import die_with_parent, launcher_pid
 
-die_with_parent(int(os.environ[LAUNCHER_PID_ENV]) if LAUNCHER_PID_ENV in os.environ else None)
+die_with_parent(launcher_pid())
 SERVER_PID = os.getpid()  # in a forked worker: the parent it dies with (launcher/worker/main.py, entry)
 
 # transformers builds its table of checkpoint weight renamings (~900 regular expressions, 0.25 s) at a process's
