@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -51,6 +52,11 @@ def preloaded_forkserver() -> Iterator[None]:
         yield
     finally:
         server = multiprocessing.forkserver._forkserver
-        stop = getattr(server, "_stop", None)  # CPython's own way to stop it (3.8+); else it ends with us
+        # Its workers have ended (torch elastic stops them before it returns or raises): killed, not asked to
+        # stop, since it holds nothing to flush, and asked, its interpreter's exit frees all of torch and diffusers
+        # (~1 CPU-s on this process's path, per job).
+        if getattr(server, "_forkserver_pid", None):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        stop = getattr(server, "_stop", None)  # CPython's own way to stop it (3.8+): closes its pipe, reaps it
         if stop is not None:
             stop()

@@ -6,6 +6,7 @@ open, so the server would outlive a launcher killed with -9, and the workers, wh
 it. A server that dies with the launcher takes them along.
 """
 
+import gc
 import os
 
 import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
@@ -22,3 +23,8 @@ SERVER_PID = os.getpid()  # in a forked worker: the parent it dies with (launche
 # transformers builds its table of checkpoint weight renamings (~900 regular expressions, 0.25 s) at a process's
 # first model load, and caches it: built here once, every forked worker starts with it.
 get_checkpoint_conversion_mapping("llama")
+
+# Everything imported above lives as long as the process: moved out of the collector's reach (the gc module's own
+# advice for a process that forks without exec), so that no collection in a forked worker walks it again and its
+# pages stay shared with the server's.
+gc.freeze()

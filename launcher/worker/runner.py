@@ -8,6 +8,7 @@ peers block in the collective until `run.timeout_s`, then the job ends with a cr
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -111,6 +112,9 @@ def run_worker(cfg) -> int:
     apply_cache(pipe, cfg)
     apply_compile(pipe, cfg, device_type, w.compile_stats)
     w.load_seconds = time.perf_counter() - t0  # counted in this worker's first shard's stages
+    # The libraries and the model live as long as the worker: out of the collector's reach from here on, so that
+    # no full collection walks them between batches (a pause in the loop that feeds the chip) or at the exit.
+    gc.freeze()
     stage.info("compile warm-up" if cfg.execution.mode == "compile" else "generating")
     code = EXIT_OK
     i = first
