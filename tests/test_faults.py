@@ -171,7 +171,7 @@ def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, 
     assert read_rows(out) == read_rows(run_job())
 
 
-def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
+def test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}"]
     (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
@@ -188,9 +188,28 @@ def test_a_failed_write_fails_only_that_shard(run_job, tiny_model, tmp_path):
     assert not (out / "images" / "shard-00001").exists()  # no image of a failed shard stays readable
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
     (out / "data" / "shard-00001.parquet").rmdir()
-    res = launch(*args)  # the same command again: only shard 1 is written
+    done = {k: v for k, v in file_snapshot(out).items() if "00002" in k}
+
+    # Shard 0 as a run killed after writing its data and before marking it done leaves it, with the leftovers of
+    # killed writes: this host's, whatever their pid means now, and a done shard's.
+    (out / "state" / "shard-00000.json").unlink()
+    (out / "data" / ".shard-00000.parquet.tmp-999999999").write_bytes(b"half")
+    (out / "images" / ".shard-00000.tmp-999999999").mkdir()
+    (out / "data" / ".shard-00002.parquet.tmp-999999999").write_bytes(b"half")
+    # The folder is shared with other nodes (NFS): another node's write in flight is kept, whatever its pid
+    # means here; another node's leftover untouched for longer than the lock's timeout goes.
+    here = socket.gethostname()
+    (out / "data" / f".shard-00000.parquet.tmp-{here}-999999999").write_bytes(b"dead writer of this host")
+    live = out / "data" / f".shard-00001.parquet.tmp-node-b-{os.getpid()}"
+    live.write_bytes(b"in flight on another node")
+    old = out / "images" / ".shard-00002.tmp-node-c-1"
+    old.mkdir()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    res = launch(*args)  # the same command again: shards 0 and 1 only
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "this run: 8 images from 1 shards" in res.stderr
+    assert "this run: 16 images from 2 shards" in res.stderr
+    assert {k: v for k, v in file_snapshot(out).items() if "00002" in k} == done  # the done shard is untouched
+    assert [p for p in out.rglob("*") if ".tmp-" in p.name] == [live]
     assert read_rows(out) == read_rows(run_job())
 
 
@@ -205,27 +224,3 @@ def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_pat
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "run.json").read_text())["settings"]["generate"]["seed"] == 5
     assert len(read_rows(out)) == 20
-
-
-def test_leftovers_of_a_killed_write_are_cleaned(run_job, tiny_model, tmp_path):
-    import shutil
-
-    out = tmp_path / "out"
-    shutil.copytree(run_job(), out)
-    (out / "state" / "shard-00001.json").unlink()  # killed after writing data, before marking it done
-    (out / "data" / ".shard-00001.parquet.tmp-999999999").write_bytes(b"half")
-    (out / "images" / ".shard-00001.tmp-999999999").mkdir()
-    (out / "data" / ".shard-00002.parquet.tmp-999999999").write_bytes(b"half")  # a done shard's leftover
-    # The folder is shared with other nodes (NFS): another node's write in flight is kept, whatever its pid
-    # means here; another node's leftover untouched for longer than the lock's timeout goes.
-    here = socket.gethostname()
-    (out / "data" / f".shard-00001.parquet.tmp-{here}-999999999").write_bytes(b"dead writer of this host")
-    live = out / "data" / f".shard-00001.parquet.tmp-node-b-{os.getpid()}"
-    live.write_bytes(b"in flight on another node")
-    old = out / "images" / ".shard-00002.tmp-node-c-1"
-    old.mkdir()
-    os.utime(old, (time.time() - 3600, time.time() - 3600))
-    res = launch(f"model.path={tiny_model}", f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert [p for p in out.rglob("*") if ".tmp-" in p.name] == [live]
-    assert read_rows(out) == read_rows(run_job())

@@ -183,7 +183,7 @@ def test_fused_weights_are_bitwise_diffusers_in_bfloat16(loras, monkeypatch):
     assert len(changed) == len(FLUX2["transformer"])
 
 
-def test_another_scale_on_a_done_folder_exits_2(lora_job, loras):
+def test_another_scale_on_a_done_folder_exits_2(lora_job, loras, launcher_main, capsys):
     out, args = lora_job("flux2", "mesh.dp=2", "mesh.tp=1")
     _, files = loras("flux2")
     settings = json.loads((out / "run.json").read_text())["settings"]
@@ -193,11 +193,13 @@ def test_another_scale_on_a_done_folder_exits_2(lora_job, loras):
     for f, s, e in zip(files, SCALES, settings["model"]["loras"], strict=True):
         assert f"- LoRA: `{f}` at scale {s} (sha256 {e['sha256'][:16]}...)" in card
     again = [a if not a.startswith("model.loras=") else lora_override(files, (0.5, 1.0)) for a in args]
-    res = launch(*again, f"output.dir={out}")
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "model.loras" in res.stderr and "0.5" in res.stderr.strip().splitlines()[-1]
-    res = launch(*args, f"output.dir={out}")  # the same LoRAs and scales: nothing to do, exit 0
-    assert res.returncode == 0, res.stderr[-2000:]
+    code = launcher_main([*again, f"output.dir={out}"])  # in this process: a refusal and a run with nothing to do
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "model.loras" in err and "0.5" in err.strip().splitlines()[-1]
+    code = launcher_main([*args, f"output.dir={out}"])  # the same LoRAs and scales: nothing to do, exit 0
+    err = capsys.readouterr().err
+    assert code == 0 and "nothing to do" in err, err[-2000:]
 
 
 def _no_loader_model(model: Path, d: Path) -> Path:
@@ -212,7 +214,9 @@ def _no_loader_model(model: Path, d: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing", "no-match", "shapes", "no-loader"])
-def test_preflight_refuses_a_lora_with_one_line(case, loras, tmp_path):
+def test_preflight_refuses_a_lora_with_one_line(case, loras, tmp_path, launcher_main, capsys):
+    """In this process (the refusal's line and code are the launcher's own; tests/test_bad_input.py runs refusals
+    of every kind through ./launch.sh)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -235,17 +239,19 @@ def test_preflight_refuses_a_lora_with_one_line(case, loras, tmp_path):
         save_file(sd, str(lora))
     else:
         model, expected = _no_loader_model(model, tmp_path), "no LoRA loader for PixArtAlphaPipeline"
-    res = launch(
-        f"model.path={model}",
-        "mesh.tp=1",
-        "mesh.dp=1",
-        f"model.loras=[{{path:{lora}}}]",
-        f"output.dir={tmp_path / 'out'}",
-        timeout=180,
+    code = launcher_main(
+        [
+            f"model.path={model}",
+            "mesh.tp=1",
+            "mesh.dp=1",
+            f"model.loras=[{{path:{lora}}}]",
+            f"output.dir={tmp_path / 'out'}",
+        ]
     )
-    last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr and last.startswith("error: ") and expected in last, last
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err and last.startswith("error: ") and expected in last, last
     assert not (tmp_path / "out").exists()
 
 

@@ -152,13 +152,16 @@ def test_taylorseer_changes_the_images_and_every_tp_rank_agrees(job):
     assert 0 < _diff(job("execution.staged=true"), cached)
 
 
-def test_resuming_with_another_n_or_cache_exits_2(job, tiny_model):
+def test_resuming_with_another_n_or_cache_exits_2(job, tiny_model, launcher_main, capsys):
     out = job("mesh.tp=1", "generate.batch_size=1")
     base = [f"model.path={tiny_model}", f"output.dir={out}", "mesh.tp=1"]
-    res = launch(*base, "generate.images_per_prompt=3")
-    assert res.returncode == 2 and "generate.images_per_prompt: 2 -> 3" in res.stderr, res.stderr[-2000:]
-    res = launch(*base, f"generate.images_per_prompt={N}", "execution.cache=taylorseer")
-    assert res.returncode == 2 and "execution.cache: 'none' -> 'taylorseer'" in res.stderr, res.stderr[-2000:]
+    for change, line in (  # in this process: each is the launcher's refusal before any worker starts
+        (["generate.images_per_prompt=3"], "generate.images_per_prompt: 2 -> 3"),
+        ([f"generate.images_per_prompt={N}", "execution.cache=taylorseer"], "execution.cache: 'none' -> 'taylorseer'"),
+    ):
+        code = launcher_main([*base, *change])
+        err = capsys.readouterr().err
+        assert code == 2 and line in err.strip().splitlines()[-1], err[-2000:]
 
 
 def test_unsupported_cache_and_colliding_ids_are_refused(tiny_model, tmp_path):
