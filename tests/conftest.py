@@ -37,15 +37,18 @@ def pytest_collection_modifyitems(items: list) -> None:
 @pytest.fixture
 def launcher_main():
     """The launcher's main() in this process (cheap: no interpreter start per call); the logging handlers it
-    installs (on the test's captured stderr) are removed after the test."""
+    installs (on the test's captured stderr) are removed after the test, and the environment it sets for its
+    workers (the libraries' verbosity) is restored."""
     import logging
 
     from launcher.host.launch import main
 
-    saved, level = logging.root.handlers[:], logging.root.level
+    saved, level, env = logging.root.handlers[:], logging.root.level, dict(os.environ)
     yield main
     logging.root.handlers[:] = saved
     logging.root.setLevel(level)
+    os.environ.clear()
+    os.environ.update(env)
 
 
 SESSION_MARK = "MESHGEN_TEST_SESSION"  # in the environment of every process this pytest process starts

@@ -94,13 +94,20 @@ def test_what_is_on_the_chip_together():
         assert need_gib(cfg, per_rank) == weights + 2.0  # + 2 GiB per megapixel of a batch
 
 
-def mesh_lines(*args):
-    res = launch("--dry-run", "conf=flux2_tp", PROMPTS, *args)
-    assert res.returncode == 0, res.stderr
-    return [ln for ln in res.stdout.splitlines() if ln.startswith("# mesh:")]
+@pytest.fixture
+def mesh_lines(launcher_main, capsys):
+    """mesh_lines(*overrides) -> the `# mesh:` lines of a dry run of conf=flux2_tp, run in this process."""
+
+    def run(*args):
+        code = launcher_main(["--dry-run", "conf=flux2_tp", PROMPTS, *args])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return [ln for ln in out.out.splitlines() if ln.startswith("# mesh:")]
+
+    return run
 
 
-def test_dry_run_prints_the_mesh_line_of_flux2_dev_on_a_v6e():
+def test_dry_run_prints_the_mesh_line_of_flux2_dev_on_a_v6e(mesh_lines):
     line = mesh_lines()[0]
     m = MESH_LINE.fullmatch(line)
     assert m, line
@@ -109,7 +116,7 @@ def test_dry_run_prints_the_mesh_line_of_flux2_dev_on_a_v6e():
 
 
 @pytest.mark.parametrize(("chip", "tp", "dp"), [("v6e", 8, 1), ("h200", 1, 8)])
-def test_auto_picks_the_smallest_tp_that_fits(chip, tp, dp):
+def test_auto_picks_the_smallest_tp_that_fits(chip, tp, dp, mesh_lines):
     device = {"v6e": "tpu", "h200": "cuda"}[chip]  # the chip's own device (else exit 2)
     lines = mesh_lines("mesh.tp=auto", "mesh.dp=auto", f"mesh.chip={chip}", f"device={device}")
     m = MESH_LINE.fullmatch(lines[0])
