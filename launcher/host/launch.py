@@ -8,7 +8,6 @@ worker, and it can map the outcome to the contract's exit codes (torchrun itself
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import shlex
@@ -89,7 +88,6 @@ def run_elastic(args: list[str], logs=None, start: str = "subprocess") -> int:
     from launcher.errors import LAUNCHER_PID_ENV
     from launcher.host.terminal import launch_workers
 
-    gc.freeze()  # torch, imported just now, lives as long as this process: no collection walks it, at exit either
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the parent every worker dies with: launcher/errors.py
     try:
         launch_workers(parse_args(args), logs, start)

@@ -87,8 +87,8 @@ def _strings(values: list[str]) -> pa.Array:
     data = [v.encode() for v in values]
     offsets = np.zeros(len(data) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in data], out=offsets[1:])
-    if offsets[-1] > np.iinfo(np.int32).max:  # beyond 32-bit offsets: pyarrow's own way (it chunks or refuses)
-        return pa.array(values, pa.string())
+    if offsets[-1] > np.iinfo(np.int32).max:  # beyond one string array's 32-bit offsets: the exact reader's
+        raise _GiveUp("a batch of prompts over 2 GiB")
     return pa.StringArray.from_buffers(len(data), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data)))
 
 

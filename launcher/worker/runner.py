@@ -113,7 +113,7 @@ def run_worker(cfg) -> int:
     apply_compile(pipe, cfg, device_type, w.compile_stats)
     w.load_seconds = time.perf_counter() - t0  # counted in this worker's first shard's stages
     # The libraries and the model live as long as the worker: out of the collector's reach from here on, so that
-    # no full collection walks them between batches (a pause in the loop that feeds the chip) or at the exit.
+    # no full collection walks them between batches (a pause in the loop that feeds the chip).
     gc.freeze()
     stage.info("compile warm-up" if cfg.execution.mode == "compile" else "generating")
     code = EXIT_OK

@@ -53,7 +53,12 @@ def one_job(overrides: list[str], out: Path) -> dict:
         for p in tree:
             try:
                 t = p.cpu_times()
-                seen[p.pid] = (role(" ".join(p.cmdline())), t.user + t.system)
+                # the last role its command line showed: a forked worker shows the server's until it renames
+                # itself, and a process killed at the end is a zombie with no command line by its last sample
+                name = role(" ".join(p.cmdline()))
+                if name == "other" and p.pid in seen:
+                    name = seen[p.pid][0]
+                seen[p.pid] = (name, t.user + t.system)
             except psutil.Error:  # ended between the listing and the read
                 continue
         time.sleep(0.02)
