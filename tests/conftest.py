@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCH = str(REPO / "launch.sh")
 # A prompt source that exists: the real confs name the user's own prompts.txt, and a dry run checks the source.
 PROMPTS = f"dataset.path={REPO / 'conf' / 'prompts' / 'tiny.txt'}"
+# What conf `tiny` passes the tiny FLUX.2 pipeline besides sizes and steps: a bare loop's call needs the same.
+FLUX2_KW = dict(guidance_scale=4.0, max_sequence_length=256, text_encoder_out_layers=(1, 2))
 
 
 # The slowest modules first (their wall time in one `make test` on 2 cores, longest first): `make test` hands each

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import launch, max_diff, pixels, read_rows
+from conftest import FLUX2_KW, launch, max_diff, pixels, read_rows
 from PIL import Image
 
 EDIT = ("job=edit", "run.shard_size=2", "generate.num_inference_steps=3")
@@ -78,7 +78,6 @@ _PIPES: dict = {}
 # keeping the references' bytes, and at dp=2 without them.
 ONE = ("mesh.tp=1", "output.reference_bytes=true", "dataset.limit=4")
 DP2 = ("mesh.tp=1", "mesh.dp=2", "dataset.limit=4")
-FLUX2_KW = dict(guidance_scale=4.0, max_sequence_length=256, text_encoder_out_layers=(1, 2))
 
 
 def test_edit_chained_onto_a_run_keeps_rows_lineage_and_equals_a_bare_loop(source, edit, tiny_model):

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import launch, pixels, read_rows
+from conftest import FLUX2_KW, launch, pixels, read_rows
 from omegaconf import OmegaConf
 
 from launcher.config import load_config
@@ -176,10 +176,8 @@ def test_compile_mode_on_cpu_compiles_once_per_shape_and_reuses_its_cache(tiny_m
                 height=row.get("height", 64),
                 width=64,
                 num_inference_steps=4,
-                guidance_scale=4.0,
-                max_sequence_length=256,
-                text_encoder_out_layers=(1, 2),
                 output_type="np",
+                **FLUX2_KW,
             ).images[0]
             bare = (image * 255).round().astype(np.int16)
             assert np.abs(pixels(got[str(i)]["image"]["bytes"]) - bare).max() <= 2, i

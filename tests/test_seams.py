@@ -5,6 +5,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from conftest import FLUX2_KW
 
 from launcher.config import load_config
 
@@ -54,10 +55,8 @@ def test_magcache_takes_the_jobs_steps_and_changes_the_images(tiny_model):
             height=64,
             width=64,
             num_inference_steps=8,
-            guidance_scale=4.0,
-            max_sequence_length=256,
-            text_encoder_out_layers=(1, 2),
             output_type="np",
+            **FLUX2_KW,
         ).images[0]
 
     plain = image()

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import launch, pixels, read_rows
+from conftest import FLUX2_KW, launch, pixels, read_rows
 
 from launcher.config import load_config
 from launcher.errors import ConfigError
@@ -83,10 +83,8 @@ def test_n_images_per_prompt_equal_the_bare_diffusers_call(job, tiny_model):
                 height=64,
                 width=64,
                 num_inference_steps=4,
-                guidance_scale=4.0,
-                max_sequence_length=256,
-                text_encoder_out_layers=(1, 2),
                 output_type="np",
+                **FLUX2_KW,
             ).images
             for i, image in zip(ids, images, strict=True):
                 assert np.array_equal(pixels(rows[i]["image"]["bytes"]), (image * 255).round().astype(np.int16)), i

@@ -37,11 +37,10 @@ def one_job(overrides: list[str], out: Path) -> dict:
     env = {**os.environ, "PYTHON": sys.executable}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
+    # The job's terminal output goes to a file: a pipe read only at the end would stall a job that fills it.
+    log = open(f"{out}.log", "w+")
     proc = subprocess.Popen(
-        [str(REPO / "launch.sh"), f"output.dir={out}", *overrides],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
+        [str(REPO / "launch.sh"), f"output.dir={out}", *overrides], stdout=subprocess.DEVNULL, stderr=log, env=env
     )
     seen: dict[int, tuple[str, float]] = {}
     root = psutil.Process(proc.pid)
@@ -62,9 +61,10 @@ def one_job(overrides: list[str], out: Path) -> dict:
             except psutil.Error:  # ended between the listing and the read
                 continue
         time.sleep(0.02)
-    err = proc.stderr.read().decode(errors="replace")
-    if proc.wait() != 0:
-        raise SystemExit(f"the job failed (exit {proc.returncode}): {err.strip().splitlines()[-1:]}")
+    with log:
+        if proc.wait() != 0:
+            log.seek(0)
+            raise SystemExit(f"the job failed (exit {proc.returncode}): {log.read().strip().splitlines()[-1:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     roles: dict[str, list[float]] = {}
     for name, cpu in seen.values():
