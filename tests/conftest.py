@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +151,28 @@ def tiny_model(tiny_family) -> Path:
     return tiny_family("flux2")
 
 
+@pytest.fixture(scope="session")
+def default_model(tiny_model) -> Path:
+    """The checkout's models/tiny-flux2 (conf tiny's model.path), as `make demo` leaves it: a copy of this session's
+    tiny FLUX.2 (the same deterministic build) where it is missing. A dry run of a tiny model not yet built learns
+    its configs from a build in a temporary folder, which imports diffusers (~6 CPU-s a launch); with the model in
+    place it reads them (<1 CPU-s). That path stays tested: the image tree's dry run (tests/test_deploy.py) has no
+    models/ folder."""
+    import shutil
+
+    from launcher.models import default_dir
+
+    target = default_dir("tiny_flux2")
+    if not target.exists():
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.copytree(tiny_model, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another xdist worker's copy got there first
+            shutil.rmtree(tmp)
+    return target
+
+
 def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """Run ./launch.sh as a user would, with the test venv's Python."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
@@ -200,6 +224,34 @@ def slow(tiny_model, once, tmp_path_factory) -> tuple[list[str], Path]:
         assert res.returncode == 0 and "workers start as fresh interpreters" in res.stderr, res.stderr[-2000:]
 
     return job, once("slow clean", make) / "out"
+
+
+@pytest.fixture(scope="session")
+def slow_clean(slow, once) -> Callable[[int], Path]:
+    """slow_clean(tp) -> the clean run of the slow job's SLOW_N prompts at tp=1 or tp=2 (dp=1), made once.
+
+    The reference of every test that runs the slow job's first n prompts (slow_job writes the same lines) on a mesh
+    with that tp, whatever its dp (dp changes no image: tests/test_job.py) or its number of hosts: compare with
+    `first_rows` or `first_shards` of it. One run serves them all: each costs a torchrun start."""
+    job, tp2 = slow
+
+    def make(d: Path) -> None:
+        res = launch(*job, "mesh.tp=1", f"output.dir={d / 'out'}")
+        assert res.returncode == 0, res.stderr[-2000:]
+
+    return lambda tp: tp2 if tp == 2 else once("slow clean tp=1", make) / "out"
+
+
+def first_rows(out, n: int) -> dict[str, dict]:
+    """The rows of a run of the slow job whose ids (row numbers) are below n."""
+    return {k: r for k, r in read_rows(out).items() if int(k) < n}
+
+
+def first_shards(files: dict[str, object], n: int) -> dict[str, object]:
+    """The entries of a {path in a run folder: ...} map but those of shards past the first n prompts of a slow job
+    (shards of 2); a file of no shard (the ledger's index) stays."""
+    shard = lambda k: int(m.group(1)) if (m := re.search(r"shard-(\d+)", k)) else -1  # noqa: E731
+    return {k: v for k, v in files.items() if shard(k) < -(-n // 2)}
 
 
 def run_clean(job: list[str], out: Path) -> Path:

@@ -14,6 +14,9 @@ import pytest
 import yaml
 from conftest import PROMPTS, REPO, launch
 
+# conf tiny's dry runs read the checkout's built tiny model (conftest.default_model) instead of building one
+pytestmark = pytest.mark.usefixtures("default_model")
+
 DEPLOY = REPO / "deploy"
 # The manifests name a bucket and a data volume that a dry run here cannot reach: these stand in for them.
 LOCAL = [PROMPTS, "output.dir=/tmp/meshgen-deploy-dry-run"]

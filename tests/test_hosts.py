@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from conftest import LAUNCH, launch, read_rows, run_clean, slow_job
+from conftest import LAUNCH, launch, read_rows, slow_job
 from test_faults import assert_same_as_clean, done_count, wait_for
 
 N = 12
@@ -39,10 +39,10 @@ def start_hosts(job: list[str], port: int) -> list[subprocess.Popen]:
 
 
 @pytest.mark.parametrize("axis", ["dp", "tp"])
-def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_model, tmp_path):
+def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_model, slow_clean, tmp_path):
     mesh = ["mesh.dp=2", "mesh.tp=1"] if axis == "dp" else ["mesh.dp=1", "mesh.tp=2"]
     job = slow_job(tiny_model, tmp_path, N, *mesh)
-    clean = run_clean(job, tmp_path / "clean")  # one host, the same mesh
+    clean = slow_clean(1 if axis == "dp" else 2)  # one host, the same tp
     out = tmp_path / "out"
     multi = [*job, "mesh.nodes=2", f"output.dir={out}"]
     first, second = start_hosts(multi, free_port())

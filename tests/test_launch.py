@@ -3,6 +3,9 @@
 import pytest
 from conftest import PROMPTS, launch
 
+# conf tiny's dry runs read the checkout's built tiny model (conftest.default_model) instead of building one
+pytestmark = pytest.mark.usefixtures("default_model")
+
 
 def dry_run(*args):
     res = launch("--dry-run", *args, *([PROMPTS] if "conf=flux2_tp" in args else []))

@@ -7,7 +7,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import launch, read_rows, run_clean, shifted_clock, slow_job
+from conftest import launch, read_rows, shifted_clock, slow_job
 from test_faults import assert_same_as_clean, done_count, start, wait_for
 
 from launcher.ledger.store import Store
@@ -21,8 +21,8 @@ def job(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clean(job, tmp_path_factory):
-    return run_clean(job, tmp_path_factory.mktemp("clean"))
+def clean(slow_clean):
+    return slow_clean(1)
 
 
 def test_shards_finished_while_a_worker_plans_are_not_generated_again(job, clean, tmp_path):

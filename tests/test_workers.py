@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, launch, read_rows, run_clean, slow_job
+from conftest import LAUNCH, first_rows, first_shards, launch, read_rows, slow_job
 
 from launcher.ledger.store import Store
 
@@ -20,8 +20,9 @@ def job(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_worker(job, tmp_path_factory):
-    return run_clean(job, tmp_path_factory.mktemp("one"))
+def one_worker(slow_clean) -> Path:
+    """One worker's clean run of the first N prompts and more: compare with first_rows and first_shards."""
+    return slow_clean(1)
 
 
 def run_two_workers(job, out: str, env: dict | None = None) -> list[list[int]]:
@@ -47,11 +48,16 @@ def run_two_workers(job, out: str, env: dict | None = None) -> list[list[int]]:
 
 
 def assert_same_layout(store, local: Path) -> None:
-    """The same data, image and state files on the object store as in a local run folder."""
+    """The same data, image and state files on the object store as in a local run folder (its first N prompts')."""
     want = sorted(
-        str(p.relative_to(local))
-        for p in local.rglob("*")
-        if p.is_file() and p.parts[len(local.parts)] in ("data", "images", "state")
+        first_shards(
+            {
+                str(p.relative_to(local)): p
+                for p in local.rglob("*")
+                if p.is_file() and p.parts[len(local.parts)] in ("data", "images", "state")
+            },
+            N,
+        )
     )
     got = [f"{d}/{f.base_name}" for d in ("data", "state") for f in store.files(d)]
     shard_dirs = sorted({p.split("/")[1] for p in want if p.startswith("images/")})
@@ -67,17 +73,17 @@ def test_two_workers_on_local_disk(job, one_worker, tmp_path):
     done = run_two_workers(job, str(tmp_path / "out"))
     assert_each_shard_once(done, list(range(N // 2)))
     assert done[0] and done[1]
-    assert read_rows(tmp_path / "out") == read_rows(one_worker)
+    assert read_rows(tmp_path / "out") == first_rows(one_worker, N)
 
 
-def test_a_rerun_of_a_few_shards_is_split_between_workers(job, one_worker, tmp_path):
+def test_a_rerun_of_a_few_shards_is_split_between_workers(slow, one_worker, tmp_path):
     import shutil
 
     out = tmp_path / "out"
-    shutil.copytree(one_worker, out)
+    shutil.copytree(one_worker, out)  # and its own job: all SLOW_N prompts
     for i in (0, 2, 4):  # all three belong to worker 0 by the modulo split
         (out / "state" / f"shard-{i:05d}.json").unlink()
-    done = run_two_workers(job, str(out))
+    done = run_two_workers([*slow[0], "mesh.tp=1"], str(out))
     assert_each_shard_once(done, [0, 2, 4])
     assert done[0] and done[1], f"one worker did all of {done}"
     assert read_rows(out) == read_rows(one_worker)
@@ -87,7 +93,7 @@ def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
     url = "s3://meshgen-test/run1"
     done = run_two_workers(job, url, s3)
     assert_each_shard_once(done, list(range(N // 2)))
-    assert read_rows(url) == read_rows(one_worker)
+    assert read_rows(url) == first_rows(one_worker, N)
     assert_same_layout(Store(url), one_worker)
     for tool in ("report.py", "contact_sheet.py"):  # the inspection tools read and write the bucket too
         subprocess.run([sys.executable, f"tools/{tool}", url], check=True, capture_output=True)
@@ -105,7 +111,7 @@ def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
     res = launch(*job, f"output.dir={url2}", env=s3)
     assert res.returncode == 0, res.stderr[-2000:]
     assert re.findall(r"shard (\d+) done", res.stderr) == ["3"]  # one line per shard event
-    assert read_rows(url2) == read_rows(one_worker)
+    assert read_rows(url2) == first_rows(one_worker, N)
     res = launch(*job, f"output.dir={url}", "generate.seed=9", env=s3)
     assert res.returncode == 2 and "generate.seed: 0 -> 9" in res.stderr.strip().splitlines()[-1]
 
