@@ -210,8 +210,10 @@ def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
     assert runner._agree(groups, None, "same") is None
 
 
-# Imported first by every Python process that has its folder on PYTHONPATH: in the worker of rank 1 (torchrun sets
-# RANK), each batch's images come out one level off in one pixel, as if that rank had taken other cache decisions.
+# Imported first by every Python process that has its folder on PYTHONPATH: in the worker of rank 1 (torch elastic
+# sets RANK before the worker's code runs), each batch's images come out one level off in one pixel, as if that rank
+# had taken other cache decisions. RANK is read at each call, not at import: forked workers share the imports of a
+# server that started before any rank existed.
 DIVERGE = """
 import importlib.abc, importlib.machinery, os, sys
 
@@ -229,6 +231,11 @@ class _Hook(importlib.abc.MetaPathFinder):
 
             def shard_steps(*a, **k):
                 steps = inner(*a, **k)
+                if os.environ.get("RANK") != "1":
+                    return steps
+                return _diverged(steps)
+
+            def _diverged(steps):
                 try:
                     for batch, step in steps:
                         yield batch, (lambda step=step, **kw: [_off(s) for s in step(**kw)])
@@ -245,8 +252,7 @@ def _off(sample):
     sample["pixels"][0, 0, 0] ^= 1
     return sample
 
-if os.environ.get("RANK") == "1":
-    sys.meta_path.insert(0, _Hook())
+sys.meta_path.insert(0, _Hook())
 """
 
 
@@ -258,10 +264,7 @@ def test_a_tp_rank_with_other_images_fails_the_shard(tiny_model, tmp_path):
     (hook / "sitecustomize.py").write_text(DIVERGE)
     res = launch(
         f"model.path={tiny_model}", f"output.dir={tmp_path / 'out'}", "dataset.limit=2", "run.shard_size=2",
-        "execution.cache=taylorseer", "+execution.cache_options.cache_interval=2",
-        # The hook acts at each rank's interpreter start, by its RANK: workers started as fresh interpreters, not
-        # forked from one server that started before any rank existed.
-        env={"PYTHONPATH": str(hook), "MESHGEN_WORKER_START": "subprocess"},
+        "execution.cache=taylorseer", "+execution.cache_options.cache_interval=2", env={"PYTHONPATH": str(hook)},
     )  # fmt: skip
     assert res.returncode == 3, res.stderr[-2000:]
     state = json.loads((tmp_path / "out" / "state" / "shard-00000.json").read_text())
