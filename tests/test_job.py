@@ -57,8 +57,9 @@ def test_dp2_is_bitwise_equal_to_dp1(run_job):
     assert {k: r["image"]["bytes"] for k, r in a.items()} == {k: r["image"]["bytes"] for k, r in b.items()}
 
 
-def test_batch_size_3_matches_1_within_2_levels(run_job):
-    assert max_diff(run_job("mesh.tp=1", "generate.batch_size=1"), run_job("mesh.tp=1", "generate.batch_size=3")) <= 2
+def test_batch_size_3_matches_2_within_2_levels(run_job):
+    # conf tiny's batches of 2 (the run above) against batches of 3: 20 prompts, a partial last batch in each
+    assert max_diff(run_job("mesh.tp=1"), run_job("mesh.tp=1", "generate.batch_size=3")) <= 2
 
 
 def test_the_tiny_model_is_deterministic(tiny_model, tmp_path):
