@@ -313,3 +313,23 @@ def test_a_folder_that_is_not_meshgens_is_refused_and_left_as_it_was(tiny_model,
     assert capsys.readouterr().err.strip() == line
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in repo.iterdir()) == [".git", "README.md"]
+
+
+def test_a_folder_another_worker_is_starting_is_meshgens(tmp_path, monkeypatch):
+    """Two workers started at once on a new folder (tests/test_workers.py): between this one's two looks the other
+    is writing run.json (its temporary file, named for that host and process) or has just renamed it into place."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_ours
+    from launcher.ledger.store import Store
+
+    out = tmp_path / "out"
+    (out / "locks").mkdir(parents=True)
+    (out / "locks" / "worker-1.lock").write_text("{}")
+    (out / ".run.json.tmp-node-b-4242").write_text("{")
+    check_ours(Store(str(out)))
+    (out / ".run.json.tmp-node-b-4242").rename(out / "run.json")
+    monkeypatch.setattr(Store, "exists", lambda self, rel: False)  # looked before the rename, listed after it
+    check_ours(Store(str(out)))
+    (out / "README.md").write_text("# my dataset\n")
+    with pytest.raises(ConfigError, match=r"not a meshgen folder \(no run.json; it holds README.md\)"):
+        check_ours(Store(str(out)))

@@ -30,8 +30,10 @@ def versions() -> dict:
     return out
 
 
-# What a meshgen folder may hold before its first run.json is written (a run stopped in its first seconds).
-EARLY = {"locks", "claims", "plans", "logs", "runs", STATE_DIR}
+# What a meshgen folder may hold before its first run.json is written (a run stopped in its first seconds), or
+# while another worker that started at the same moment writes it: run.json itself, once its temporary file is renamed.
+EARLY = {"locks", "claims", "plans", "logs", "runs", STATE_DIR, "run.json"}
+RUN_JSON_TMP = f".run.json{TMP_MARK}"  # store.tmp_name("run.json") of any host and process
 
 
 def check_ours(store: Store) -> None:
@@ -45,7 +47,7 @@ def check_ours(store: Store) -> None:
     foreign = sorted(
         i.base_name
         for i in infos
-        if i.base_name not in EARLY and not i.base_name.startswith(TMP_MARK) and _holds_a_file(store, i)
+        if i.base_name not in EARLY and not i.base_name.startswith((TMP_MARK, RUN_JSON_TMP)) and _holds_a_file(store, i)
     )
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
