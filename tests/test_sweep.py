@@ -1,9 +1,10 @@
 """Parameter sweeps (`generate.sweep`) through launch.sh on the tiny FLUX.2: ids, seeds and columns read back from
-Parquet, a variant with plain settings against a plain run and a bare diffusers loop, dp and tp, refusals."""
+Parquet, variants (the plain settings' among them) against a bare diffusers loop, dp and tp, refusals."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import tarfile
 
@@ -66,12 +67,12 @@ def test_every_prompt_at_every_variant_with_the_plain_runs_seed_and_image(job):
     assert schema.field("variant").type == "int32" and "lora_scales" not in schema.names
     state = json.loads((out / "state" / "shard-00001.json").read_text())
     assert (state["rows"], state["prompts"]) == (N * 4, 1)
-    # The variant with the plain settings is the plain run's image, bit for bit; the others differ from it.
-    plain = read_rows(job("mesh.tp=1"))
-    assert sorted(plain) == sorted(s.split("@")[0] for s in rows if s.endswith(f"@{PLAIN}"))
-    for base, r in plain.items():
-        assert rows[f"{base}@{PLAIN}"]["image"]["bytes"] == r["image"]["bytes"], base
-        assert rows[f"{base}@0"]["image"]["bytes"] != r["image"]["bytes"], base
+    # The variant with the plain settings is the plain run's image (the bare call's, below, as a plain run's is:
+    # tests/test_speed.py); the others differ from it.
+    bases = sorted(f"{p}-{k}" for p, _ in PROMPTS for k in range(N))
+    assert bases == sorted(s.split("@")[0] for s in rows if s.endswith(f"@{PLAIN}"))
+    for base in bases:
+        assert rows[f"{base}@0"]["image"]["bytes"] != rows[f"{base}@{PLAIN}"]["image"]["bytes"], base
     # A grown sweep on the done folder is another job: exit 2, one line, saying to use a new folder.
     res = launch(
         *_model_args(out), "generate.sweep={guidance_scale:[2.5,4.0,5.0],num_inference_steps:[2,4]}", "mesh.tp=1"
@@ -103,22 +104,24 @@ def test_a_variant_equals_the_bare_diffusers_call(job, tiny_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1): bitwise equal, not just close
     try:
-        for pid, _ in PROMPTS:  # variant 0: guidance 2.5, 2 steps, each image seeded by its base id
+        # variant 0 (guidance 2.5, 2 steps) and the plain settings' variant, each image seeded by its base id
+        for (pid, _), v in itertools.product(PROMPTS, (0, PLAIN)):
+            guidance, steps = VARIANTS[v]
             images = pipe(
                 prompt=f"a photo of a {pid}",
                 num_images_per_prompt=N,
                 generator=[torch.Generator("cpu").manual_seed(_base_seed(pid, k)) for k in range(N)],
                 height=64,
                 width=64,
-                num_inference_steps=2,
-                guidance_scale=2.5,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
                 max_sequence_length=256,
                 text_encoder_out_layers=(1, 2),
                 output_type="np",
             ).images
             for k, image in enumerate(images):
-                got = pixels(rows[f"{pid}-{k}@0"]["image"]["bytes"])
-                assert np.array_equal(got, (image * 255).round().astype(np.int16)), (pid, k)
+                got = pixels(rows[f"{pid}-{k}@{v}"]["image"]["bytes"])
+                assert np.array_equal(got, (image * 255).round().astype(np.int16)), (pid, k, v)
     finally:
         torch.set_num_threads(threads)
 
