@@ -174,10 +174,10 @@ def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, 
 
 def test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
-    args = [f"model.path={tiny_model}", f"output.dir={out}"]
+    args = [f"model.path={tiny_model}", f"output.dir={out}", "mesh.tp=1"]  # one worker: the writer is the subject
     (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
     # The same job's run.json: a folder with data/ but no run.json is not meshgen's, and is refused (issue 21).
-    shutil.copy(run_job() / "run.json", out / "run.json")
+    shutil.copy(run_job("mesh.tp=1") / "run.json", out / "run.json")
     res = launch(*args)
     assert res.returncode == 3, res.stderr[-2000:]
     assert "failed shards [1]" in res.stderr
@@ -211,17 +211,17 @@ def test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go(r
     assert "this run: 16 images from 2 shards" in res.stderr
     assert {k: v for k, v in file_snapshot(out).items() if "00002" in k} == done  # the done shard is untouched
     assert [p for p in out.rglob("*") if ".tmp-" in p.name] == [live]
-    assert read_rows(out) == read_rows(run_job())
+    assert read_rows(out) == read_rows(run_job("mesh.tp=1"))
 
 
 def test_other_settings_are_refused_until_overwrite(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
-    shutil.copytree(run_job(), out)
+    shutil.copytree(run_job("mesh.tp=1"), out)
     res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5")
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
     assert "generate.seed: 0 -> 5" in last and "run.overwrite=true" in last and "Traceback" not in res.stderr
-    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5", "run.overwrite=true")
+    res = launch(f"model.path={tiny_model}", f"output.dir={out}", "generate.seed=5", "run.overwrite=true", "mesh.tp=1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((out / "run.json").read_text())["settings"]["generate"]["seed"] == 5
     assert len(read_rows(out)) == 20

@@ -18,7 +18,9 @@ JPEG_Q95_LUMA = [
     2, 1, 1, 2, 2, 4, 5, 6, 1, 1, 1, 2, 3, 6, 6, 6, 1, 1, 2, 2, 4, 6, 7, 6, 1, 2, 2, 3, 5, 9, 8, 6,
     2, 2, 4, 6, 7, 11, 10, 8, 2, 4, 6, 6, 8, 10, 11, 9, 5, 6, 8, 9, 10, 12, 12, 10, 7, 9, 10, 10, 11, 10, 10, 10,
 ]  # fmt: skip
-JPEG_JOB = ("output.format=jpeg", "output.webdataset=true", "output.row_group_size=3")
+# At tp=1 (one worker, no forkserver: a cheaper launch), as the PNG run they are compared with.
+TP1 = "mesh.tp=1"
+JPEG_JOB = (TP1, "output.format=jpeg", "output.webdataset=true", "output.row_group_size=3")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -27,7 +29,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_jpeg_run_writes_jpg_files_parquet_paths_and_webdataset_keys(run_job):
-    png, out = read_rows(run_job()), run_job(*JPEG_JOB)
+    png, out = read_rows(run_job(TP1)), run_job(*JPEG_JOB)
     rows = read_rows(out)
     assert rows.keys() == png.keys()
     for key, r in rows.items():
@@ -65,9 +67,9 @@ def test_datasets_decodes_jpeg_as_images(run_job):
 
 
 def test_lossless_webp_keeps_the_pixels_and_the_old_png_key_works(run_job, tiny_model, tmp_path):
-    png = read_rows(run_job())
+    png = read_rows(run_job(TP1))
     out = tmp_path / "out"
-    job = ["output.format=webp", "output.lossless=true", "output.png=false"]
+    job = [TP1, "output.format=webp", "output.lossless=true", "output.png=false"]
     res = launch(f"model.path={tiny_model}", f"output.dir={out}", *job)
     assert res.returncode == 0, res.stderr[-3000:]
     notices = [ln for ln in res.stderr.splitlines() if "output.png is now called output.image_files" in ln]

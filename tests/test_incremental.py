@@ -6,6 +6,7 @@ from pathlib import Path
 from conftest import REPO, file_snapshot, launch, read_rows
 
 PROMPTS = (REPO / "conf" / "prompts" / "tiny.txt").read_text().splitlines()  # 20 prompts, shards of 8
+TP1 = "mesh.tp=1"  # one worker, no forkserver: a cheaper launch, and the mesh plays no part here
 
 
 def shard_files(out: Path, index: int) -> dict:
@@ -14,7 +15,7 @@ def shard_files(out: Path, index: int) -> dict:
 
 def test_appending_prompts_generates_only_the_new_shards(run_job, tiny_model, tmp_path):
     prompts, out = tmp_path / "p.txt", tmp_path / "out"
-    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}"]
+    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}", TP1]
     prompts.write_text("\n".join(PROMPTS[:13]) + "\n")  # shard 0 full, shard 1 holds 5 of 8
     assert launch(*args).returncode == 0
     shard0 = shard_files(out, 0)
@@ -23,17 +24,17 @@ def test_appending_prompts_generates_only_the_new_shards(run_job, tiny_model, tm
     assert res.returncode == 0, res.stderr[-2000:]
     assert "generating 2 shards" in res.stderr
     assert shard_files(out, 0) == shard0  # same bytes, same modification times
-    assert read_rows(out) == read_rows(run_job())  # equal to one clean run over all the prompts
+    assert read_rows(out) == read_rows(run_job(TP1))  # equal to one clean run over all the prompts
     assert len(list((out / "runs").glob("*.json"))) == 2  # one record per run
 
 
 def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_path):
     prompts, out = tmp_path / "p.txt", tmp_path / "out"
-    shutil.copytree(run_job(), out)
+    shutil.copytree(run_job(TP1), out)
     edited = [*PROMPTS]
     edited[10] = "a completely different prompt"
     prompts.write_text("\n".join(edited) + "\n")
-    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}"]
+    args = [f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={out}", TP1]
     res = launch(*args)
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
@@ -43,7 +44,7 @@ def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_pat
     res = launch(*args, "run.stale=regenerate")
     assert res.returncode == 0, res.stderr[-2000:]
     clean = tmp_path / "clean"
-    assert launch(f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={clean}").returncode == 0
+    assert launch(f"model.path={tiny_model}", f"dataset.path={prompts}", f"output.dir={clean}", TP1).returncode == 0
     assert read_rows(out) == read_rows(clean)
     after = file_snapshot(out)
     assert {k: v for k, v in after.items() if "00001" not in k and k != "run.json"} == {
