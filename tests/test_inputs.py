@@ -48,12 +48,8 @@ def refused(res: subprocess.CompletedProcess, *parts: str) -> str:
 # -- 6. damaged ledger files
 
 
-def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tmp_path):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("".join(f"a small scene number {i}\n" for i in range(12)))
-    job = [f"model.path={tiny_model}", f"dataset.path={prompts}", "run.shard_size=2", "mesh.tp=1"]
-    clean = tmp_path / "clean"
-    assert launch(*job, f"output.dir={clean}").returncode == 0
+def test_damaged_ledger_files_are_named_shown_and_generated_again(slow, slow_clean, tmp_path):
+    job, clean = [*slow[0], "mesh.tp=1"], slow_clean(1)  # the slow job's 32 prompts in 16 shards, and its clean run
     out = tmp_path / "out"
     shutil.copytree(clean, out)
     state = out / "state"
@@ -73,10 +69,10 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tm
     res = status(out, "--json")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     info = json.loads(res.stdout)
-    assert info["damaged"] == 5 and info["done"] == 1 and info["failed"] == 0
+    assert info["damaged"] == 5 and info["done"] == 11 and info["failed"] == 0
     assert [s for s, v in info["shards"].items() if v == "damaged"] == ["0", "1", "2", "3", "4"]
     res = status(out)
-    assert res.returncode == 0 and "1 done, 0 failed, 0 pending, 5 damaged" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "11 done, 0 failed, 0 pending, 5 damaged" in res.stdout, res.stdout + res.stderr
 
     res = launch(*job, f"output.dir={out}")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
@@ -87,7 +83,7 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(tiny_model, tm
     assert len(warnings) == len(named), warnings
     assert read_rows(out) == read_rows(clean)  # regenerated, the same images
     info = json.loads(status(out, "--json").stdout)
-    assert info["done"] == 6 and info["damaged"] == 0
+    assert info["done"] == 16 and info["damaged"] == 0
     assert (state / "shard-1.json").exists()  # a stranger's file is left alone
 
 
