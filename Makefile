@@ -9,15 +9,15 @@ venv: $(VENV)/.installed
 
 # torch first and alone, by pip: `pip install torch==2.13.0` takes the CPU wheel on disk (pip's configuration
 # points at it); asked for through another package's requirements pip could pick a multi-GB CUDA build. The rest
-# by uv, which installs and byte-compiles the same pinned versions from the same registry in ~30 s where pip took
-# ~55 s (each `make test` on a clean clone pays it); by pip where uv cannot.
+# by uv, which installs and byte-compiles the same pinned versions from the public registry in ~30 s where pip took
+# ~55 s (each `make test` on a clean clone pays it); by pip, with its own configuration, where uv cannot be had.
 UV := uv==0.13.9
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet $(UV)
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[dev]" \
+	($(BIN)/pip install --quiet $(UV) \
+		&& $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[dev]") \
 		|| $(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 

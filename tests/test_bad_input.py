@@ -327,9 +327,10 @@ def test_a_folder_another_worker_is_starting_is_meshgens(tmp_path, monkeypatch):
     (out / "locks" / "worker-1.lock").write_text("{}")
     (out / ".run.json.tmp-node-b-4242").write_text("{")
     check_ours(Store(str(out)))
+    (out / "README.md").write_text("# my dataset\n")  # but a file of someone else's beside it is still refused
+    with pytest.raises(ConfigError, match=r"not a meshgen folder \(no run.json; it holds README.md\)"):
+        check_ours(Store(str(out)))
+    (out / "README.md").unlink()
     (out / ".run.json.tmp-node-b-4242").rename(out / "run.json")
     monkeypatch.setattr(Store, "exists", lambda self, rel: False)  # looked before the rename, listed after it
     check_ours(Store(str(out)))
-    (out / "README.md").write_text("# my dataset\n")
-    with pytest.raises(ConfigError, match=r"not a meshgen folder \(no run.json; it holds README.md\)"):
-        check_ours(Store(str(out)))

@@ -39,6 +39,9 @@ def test_a_hub_id_is_downloaded_once_with_only_the_files_the_pipeline_loads(hub,
     for part in ("transformer", "vae"):
         assert got.count(f"{part}/diffusion_pytorch_model.safetensors") == 1  # once, by the launcher
     assert got.count("text_encoder/model.safetensors") == 1
+    for method in ("GET", "HEAD"):  # each asked once, by the launcher: the workers ask the hub nothing (offline)
+        asked = hub.requested(method)
+        assert len(asked) == len(set(asked)), (method, sorted(asked))
     snapshot = next((tmp_path / "hf" / "hub").glob("models--meshgen-test--tiny-flux2/snapshots/*"))
     assert (snapshot / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     assert not (snapshot / SINGLE_FILE).exists()

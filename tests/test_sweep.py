@@ -69,6 +69,8 @@ def test_every_prompt_at_every_variant_with_the_plain_runs_seed_and_image(job):
     assert (state["rows"], state["prompts"]) == (N * 4, 1)
     # The variant with the plain settings is the plain run's image (the bare call's, below, as a plain run's is:
     # tests/test_speed.py); the others differ from it.
+    plain = load_config("tiny").generate
+    assert (plain.guidance_scale, plain.num_inference_steps) == VARIANTS[PLAIN]
     bases = sorted(f"{p}-{k}" for p, _ in PROMPTS for k in range(N))
     assert bases == sorted(s.split("@")[0] for s in rows if s.endswith(f"@{PLAIN}"))
     for base in bases:

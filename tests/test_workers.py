@@ -25,9 +25,9 @@ def one_worker(slow_clean) -> Path:
     return slow_clean(1)
 
 
-def run_two_workers(job, out: str, env: dict | None = None, codes: tuple[int, ...] = (0, 0)) -> list[list[int]]:
-    """Launch workers 0 and 1 of 2 at once, which exit with `codes` (in either order); the shards each one
-    generated."""
+def run_two_workers(job, out: str, env: dict | None = None, codes: tuple[int, ...] = (0,)) -> list[list[int]]:
+    """Launch workers 0 and 1 of 2 at once, each of which exits with one of `codes`, and one with the last of
+    them; the shards each one generated."""
     import os
 
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
@@ -42,7 +42,8 @@ def run_two_workers(job, out: str, env: dict | None = None, codes: tuple[int, ..
         for i in range(2)
     ]
     logs = [p.communicate(timeout=300)[1] for p in procs]
-    assert sorted(p.returncode for p in procs) == sorted(codes), "\n".join(log[-3000:] for log in logs)
+    got = [p.returncode for p in procs]
+    assert set(got) <= set(codes) and codes[-1] in got, f"exit codes {got}\n" + "\n".join(x[-3000:] for x in logs)
     # One line per shard event on the terminal: "shard 3 done: ..." by the worker that generated it.
     return [[int(m) for m in re.findall(r"shard (\d+) done", log)] for log in logs]
 
@@ -91,9 +92,10 @@ def test_a_rerun_of_a_few_shards_is_split_between_workers(slow, one_worker, tmp_
 
 def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
     url = "s3://meshgen-test/run1"
-    # Shard 3 fails, the rest are done: both workers exit 3 (the folder's ledger decides the code, tests/
-    # test_contract_ledger.py); the same command resumes it, all on the object store.
-    done = run_two_workers([*job, "testing.fail_shards=[3]"], url, s3, codes=(3, 3))
+    # Shard 3 fails, the rest are done. The folder's ledger decides each worker's code (tests/test_contract_ledger.py):
+    # 3 once shard 3's failed state is written, 0 for a worker that ended while the other still held shard 3. The
+    # same command resumes it, all on the object store.
+    done = run_two_workers([*job, "testing.fail_shards=[3]"], url, s3, codes=(0, 3))
     assert_each_shard_once(done, [i for i in range(N // 2) if i != 3])
     status = json.loads(subprocess.check_output([sys.executable, "tools/status.py", url, "--json"], text=True))
     assert status["shards"]["3"] == "failed" and status["done"] == N // 2 - 1

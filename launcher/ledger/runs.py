@@ -30,9 +30,9 @@ def versions() -> dict:
     return out
 
 
-# What a meshgen folder may hold before its first run.json is written (a run stopped in its first seconds), or
-# while another worker that started at the same moment writes it: run.json itself, once its temporary file is renamed.
-EARLY = {"locks", "claims", "plans", "logs", "runs", STATE_DIR, "run.json"}
+# What a meshgen folder may hold before its first run.json is written (a run stopped in its first seconds, or
+# another worker that started at the same moment, writing it).
+EARLY = {"locks", "claims", "plans", "logs", "runs", STATE_DIR}
 RUN_JSON_TMP = f".run.json{TMP_MARK}"  # store.tmp_name("run.json") of any host and process
 
 
@@ -44,6 +44,8 @@ def check_ours(store: Store) -> None:
     if store.exists("run.json"):
         return
     infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
+    if any(i.base_name == "run.json" for i in infos):  # written by a worker that started with us, since we looked
+        return
     foreign = sorted(
         i.base_name
         for i in infos
