@@ -334,3 +334,22 @@ def test_a_folder_another_worker_is_starting_is_meshgens(tmp_path, monkeypatch):
     (out / ".run.json.tmp-node-b-4242").rename(out / "run.json")
     monkeypatch.setattr(Store, "exists", lambda self, rel: False)  # looked before the rename, listed after it
     check_ours(Store(str(out)))
+
+
+@pytest.mark.parametrize("run_json", ['{"name": "my dataset"}', "[]", "not json"])
+def test_a_run_json_meshgen_did_not_write_is_refused_and_left_as_it_was(
+    run_json, tiny_model, tmp_path, launcher_main, capsys
+):
+    """A project's own file named run.json does not make its folder meshgen's: a resume would crash on it and
+    run.overwrite would delete the folder's README.md and data."""
+    repo = tmp_path / "my-dataset"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "train.parquet").write_bytes(b"PAR1")
+    (repo / "README.md").write_text("# my dataset\n")
+    (repo / "run.json").write_text(run_json)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()}
+    for extra in ([], ["run.overwrite=true"], ["--dry-run"]):
+        assert launcher_main([f"model.path={tiny_model}", f"output.dir={repo}", *extra]) == 2, extra
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: output.dir {repo} holds a run.json that meshgen did not write"), line
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*") if p.is_file()} == before

@@ -42,7 +42,7 @@ def check_ours(store: Store) -> None:
     import pyarrow.fs as pafs
 
     if store.exists("run.json"):
-        return
+        return _check_run_json_is_meshgens(store)
     infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
     if any(i.base_name == "run.json" for i in infos):  # written by a worker that started with us, since we looked
         return
@@ -57,6 +57,24 @@ def check_ours(store: Store) -> None:
             f"output.dir {store} is not empty and is not a meshgen folder (no run.json; it holds {shown}); "
             "choose an empty or new folder"
         )
+
+
+def _check_run_json_is_meshgens(store: Store) -> None:
+    """A run.json that meshgen did not write (a project's own file of that name) must not make the folder ours: a
+    resume would crash on it, and run.overwrite would delete the folder's README.md and data/."""
+    try:
+        old = store.read_json("run.json")
+    except ValueError as e:  # not JSON, or not UTF-8
+        why = f"not JSON: {str(e).splitlines()[0][:80]}"
+    else:
+        shaped = isinstance(old, dict) and isinstance(old.get("fingerprint"), str)
+        if old is None or (shaped and isinstance(old.get("settings"), dict)):
+            return  # None: gone since we looked, as after a run.overwrite by another worker
+        why = "no fingerprint and settings"
+    raise ConfigError(
+        f"output.dir {store} holds a run.json that meshgen did not write ({why}); choose an empty or new folder "
+        "(or remove that run.json if the folder is a meshgen run's)"
+    )
 
 
 def _holds_a_file(store: Store, info) -> bool:
