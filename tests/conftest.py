@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -254,13 +255,6 @@ def first_shards(files: dict[str, object], n: int) -> dict[str, object]:
     return {k: v for k, v in files.items() if shard(k) < -(-n // 2)}
 
 
-def run_clean(job: list[str], out: Path) -> Path:
-    """Run `job` into `out`, which must succeed: the reference that other runs are compared with."""
-    res = launch(*job, f"output.dir={out}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out
-
-
 def worker_logs(out: Path) -> str:
     """Every worker's own lines: they go to OUTPUT_DIR/logs/<run id>/rank-N.log, not to the terminal."""
     return "".join(p.read_text() for p in sorted(Path(out).glob("logs/*/rank-*.log")))
@@ -276,6 +270,31 @@ def read_rows(out) -> dict[str, dict]:
             assert r["id"] not in rows, f"sample {r['id']} appears twice"
             rows[r["id"]] = r
     return rows
+
+
+@functools.cache
+def _flux2(model: Path):
+    from diffusers import Flux2Pipeline
+
+    pipe = Flux2Pipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def bare_flux2(model: Path, seeds: list[int], **call) -> list[np.ndarray]:
+    """A bare diffusers call of the tiny FLUX.2 pipeline as a worker makes it: one thread (OMP_NUM_THREADS=1 there,
+    so bitwise equal, not just close), conf tiny's call (64x64, 4 steps, FLUX2_KW) where `call` does not say
+    otherwise, one generator per seed; the images as int16 levels, as `pixels` reads a row's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kw = {"height": 64, "width": 64, "num_inference_steps": 4, "output_type": "np", **FLUX2_KW, **call}
+        images = _flux2(model)(generator=[torch.Generator("cpu").manual_seed(s) for s in seeds], **kw).images
+    finally:
+        torch.set_num_threads(threads)
+    return [(image * 255).round().astype(np.int16) for image in images]
 
 
 def pixels(png: bytes) -> np.ndarray:

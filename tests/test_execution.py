@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import FLUX2_KW, launch, pixels, read_rows
+from conftest import bare_flux2, launch, pixels, read_rows
 from omegaconf import OmegaConf
 
 from launcher.config import load_config
@@ -160,29 +160,12 @@ def test_compile_mode_on_cpu_compiles_once_per_shape_and_reuses_its_cache(tiny_m
     assert first["compiles"] == 2 and first["compile_cache_hits"] == 0 and first["stages"]["warmup"] > 0
     # Within 2 levels of the same prompts through a bare diffusers loop, one prompt per call (an eager run of the
     # job would cost another launch), at each row's own size with the contract's seed.
-    from diffusers import Flux2Pipeline
     from test_edit import contract_seed
 
-    pipe = Flux2Pipeline.from_pretrained(tiny_model)
-    pipe.set_progress_bar_config(disable=True)
     got = read_rows(tmp_path / "c")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for i, row in enumerate(rows):
-            image = pipe(
-                prompt=[row["prompt"]],
-                generator=[torch.Generator("cpu").manual_seed(contract_seed(str(i)))],
-                height=row.get("height", 64),
-                width=64,
-                num_inference_steps=4,
-                output_type="np",
-                **FLUX2_KW,
-            ).images[0]
-            bare = (image * 255).round().astype(np.int16)
-            assert np.abs(pixels(got[str(i)]["image"]["bytes"]) - bare).max() <= 2, i
-    finally:
-        torch.set_num_threads(threads)
+    for i, row in enumerate(rows):
+        [bare] = bare_flux2(tiny_model, [contract_seed(str(i))], prompt=[row["prompt"]], height=row.get("height", 64))
+        assert np.abs(pixels(got[str(i)]["image"]["bytes"]) - bare).max() <= 2, i
     res = launch(*args, f"output.dir={tmp_path / 'c'}", "execution.mode=compile", cache, "run.shards=all")
     assert res.returncode == 0, res.stderr[-3000:]
     again = json.loads((tmp_path / "c" / "state" / "shard-00000.json").read_text())

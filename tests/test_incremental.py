@@ -3,29 +3,10 @@
 import shutil
 from pathlib import Path
 
-import numpy as np
-from conftest import FLUX2_KW, REPO, file_snapshot, launch, pixels, read_rows
+from conftest import REPO, bare_flux2, file_snapshot, launch, pixels, read_rows
 
 PROMPTS = (REPO / "conf" / "prompts" / "tiny.txt").read_text().splitlines()  # 20 prompts, shards of 8
 TP1 = "mesh.tp=1"  # one worker, no forkserver: a cheaper launch, and the mesh plays no part here
-
-
-def bare_batch(model: Path, prompts: list[str], seeds: list[int]) -> list[np.ndarray]:
-    """One call of the tiny FLUX.2 pipeline on a batch, as a tp=1 worker makes it (one thread, conf tiny's call)."""
-    import torch
-    from diffusers import Flux2Pipeline
-
-    pipe = Flux2Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        kw = dict(height=64, width=64, num_inference_steps=4, output_type="np", **FLUX2_KW)
-        images = pipe(prompt=prompts, generator=generators, **kw).images
-    finally:
-        torch.set_num_threads(threads)
-    return [(image * 255).round().astype(np.int16) for image in images]
 
 
 def shard_files(out: Path, index: int) -> dict:
@@ -70,7 +51,7 @@ def test_an_edited_prompt_in_a_done_shard_is_caught(run_job, tiny_model, tmp_pat
     assert {k: v for k, v in got["10"].items() if k not in ("prompt", "image")} == {
         k: v for k, v in old["10"].items() if k not in ("prompt", "image")
     }
-    batch = bare_batch(tiny_model, [edited[10], PROMPTS[11]], [old["10"]["seed"], old["11"]["seed"]])
+    batch = bare_flux2(tiny_model, [old["10"]["seed"], old["11"]["seed"]], prompt=[edited[10], PROMPTS[11]])
     assert [pixels(got[i]["image"]["bytes"]).tolist() for i in ("10", "11")] == [b.tolist() for b in batch]
     after = file_snapshot(out)
     assert {k: v for k, v in after.items() if "00001" not in k and k != "run.json"} == {

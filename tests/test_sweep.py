@@ -10,8 +10,7 @@ import tarfile
 
 import numpy as np
 import pytest
-import torch
-from conftest import launch, pixels, read_rows
+from conftest import bare_flux2, launch, pixels, read_rows
 
 from launcher.config import load_config
 from launcher.errors import ConfigError
@@ -98,34 +97,14 @@ def _model_args(out) -> list[str]:
 
 
 def test_a_variant_equals_the_bare_diffusers_call(job, tiny_model):
-    from diffusers import Flux2Pipeline
-
     rows = read_rows(job("mesh.tp=1", SWEEP))
-    pipe = Flux2Pipeline.from_pretrained(tiny_model, torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1): bitwise equal, not just close
-    try:
-        # variant 0 (guidance 2.5, 2 steps) and the plain settings' variant, each image seeded by its base id
-        for (pid, _), v in itertools.product(PROMPTS, (0, PLAIN)):
-            guidance, steps = VARIANTS[v]
-            images = pipe(
-                prompt=f"a photo of a {pid}",
-                num_images_per_prompt=N,
-                generator=[torch.Generator("cpu").manual_seed(_base_seed(pid, k)) for k in range(N)],
-                height=64,
-                width=64,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                max_sequence_length=256,
-                text_encoder_out_layers=(1, 2),
-                output_type="np",
-            ).images
-            for k, image in enumerate(images):
-                got = pixels(rows[f"{pid}-{k}@{v}"]["image"]["bytes"])
-                assert np.array_equal(got, (image * 255).round().astype(np.int16)), (pid, k, v)
-    finally:
-        torch.set_num_threads(threads)
+    # variant 0 (guidance 2.5, 2 steps) and the plain settings' variant, each image seeded by its base id
+    for (pid, _), v in itertools.product(PROMPTS, (0, PLAIN)):
+        guidance, steps = VARIANTS[v]
+        seeds = [_base_seed(pid, k) for k in range(N)]
+        call = dict(num_images_per_prompt=N, num_inference_steps=steps, guidance_scale=guidance)
+        for k, image in enumerate(bare_flux2(tiny_model, seeds, prompt=f"a photo of a {pid}", **call)):
+            assert np.array_equal(pixels(rows[f"{pid}-{k}@{v}"]["image"]["bytes"]), image), (pid, k, v)
 
 
 def test_dp_staging_and_tp_change_no_image(job, tmp_path):
