@@ -42,7 +42,8 @@ def check_ours(store: Store) -> None:
     import pyarrow.fs as pafs
 
     if store.exists("run.json"):
-        return _check_run_json_is_meshgens(store)
+        read_run_json(store)  # refuses one of another making
+        return
     infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
     if any(i.base_name == "run.json" for i in infos):  # written by a worker that started with us, since we looked
         return
@@ -59,9 +60,10 @@ def check_ours(store: Store) -> None:
         )
 
 
-def _check_run_json_is_meshgens(store: Store) -> None:
-    """A run.json that meshgen did not write (a project's own file of that name) must not make the folder ours: a
-    resume would crash on it, and run.overwrite would delete the folder's README.md and data/."""
+def read_run_json(store: Store) -> dict | None:
+    """run.json as meshgen wrote it (None where there is none). One that meshgen did not write (a project's own file
+    of that name) must not make the folder ours: a resume would crash on it, and run.overwrite would delete the
+    folder's README.md and data/."""
     try:
         old = store.read_json("run.json")
     except ValueError as e:  # not JSON, or not UTF-8
@@ -69,7 +71,7 @@ def _check_run_json_is_meshgens(store: Store) -> None:
     else:
         shaped = isinstance(old, dict) and isinstance(old.get("fingerprint"), str)
         if old is None or (shaped and isinstance(old.get("settings"), dict)):
-            return  # None: gone since we looked, as after a run.overwrite by another worker
+            return old  # None: gone since we looked, as after a run.overwrite by another worker
         why = "no fingerprint and settings"
     raise ConfigError(
         f"output.dir {store} holds a run.json that meshgen did not write ({why}); choose an empty or new folder "
@@ -90,8 +92,8 @@ def _holds_a_file(store: Store, info) -> bool:
 
 def check_run_json(store: Store, cfg) -> None:
     """Refuse to resume into a folder made with other settings (exit 2 naming what differs)."""
-    old = store.read_json("run.json")
-    if old is None or old.get("fingerprint") == settings_fingerprint(cfg):
+    old = read_run_json(store)
+    if old is None or old["fingerprint"] == settings_fingerprint(cfg):
         return
     diffs = settings_diff(old["settings"], settings(cfg))
     if any(d.startswith("generate.sweep:") for d in diffs):  # even one more value numbers the variants anew
