@@ -97,10 +97,15 @@ def ensure_downloaded(cfg) -> None:
             continue
         from huggingface_hub import snapshot_download
 
+        from launcher.host.download import hub_answers
+
         patterns = [ref.weight_name] if ref.weight_name else ["*.safetensors"]
         try:
+            hub_answers(ref.path, f"model.loras[{ref.index}].path")
             logger.info("fetching LoRA %s", ref.path)
             snapshot_download(ref.path, allow_patterns=patterns)
+        except ConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - one line; the file checks then say what is missing
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(

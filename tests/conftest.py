@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -372,3 +374,25 @@ def shifted_clock(folder: Path, seconds: float) -> dict:
         f"time.time_ns = lambda: int((_real() + {seconds!r}) * 1e9)\n"
     )
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.fixture
+def silent_hub():
+    """A hub address on loopback that accepts each connection, reads its request, and never answers: a stranger
+    (or a proxy) that holds a connection open. Yields the request paths it was sent."""
+    server, paths, held = socket.create_server(("127.0.0.1", 0)), [], []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed: the test is over
+            held.append(conn)
+            paths.append((conn.recv(65536).decode("latin-1").split(" ") + ["", ""])[1])
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", paths
+    server.close()
+    for conn in held:
+        conn.close()

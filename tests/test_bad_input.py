@@ -111,7 +111,7 @@ CASES = {
     ),
     "model-hub-id-not-cached": (
         ["model.path=nobody/not-a-model", "model.build=null"],
-        ["nobody/not-a-model", "cache", "hf download nobody/not-a-model"],
+        ["nobody/not-a-model", "did not answer within 2 s", "HF_ENDPOINT", "hf download nobody/not-a-model"],
     ),
     # Generation settings
     "height-not-multiple": (["generate.height=72"], ["generate.height=72", "multiple of 16"]),
@@ -168,16 +168,17 @@ PROCESS_CASES = sorted(DRY_RUN_DIFFERS) + [
 
 
 @pytest.mark.parametrize("case", PROCESS_CASES)
-def test_bad_input_exits_2_with_one_clear_line(case, tiny_model, bad, tmp_path, monkeypatch):
+def test_bad_input_exits_2_with_one_clear_line(case, tiny_model, bad, tmp_path, monkeypatch, request):
     overrides, expected = CASES[case]
     if case == "tpu-without-torch-tpu" and importlib.util.find_spec("torch_tpu"):
         pytest.skip("torch_tpu is installed here")
     env = {}
     if case == "model-hub-id-not-cached":
-        # An empty cache, and a hub address that answers nothing (unless a proxy intercepts it): the check must
-        # look in the cache only, so it neither hangs nor depends on the network.
+        # An empty cache, and a hub that never answers: the launcher asks it once, waits HF_HUB_ETAG_TIMEOUT, and
+        # says so; with the library's retries (6 tries, each waiting, backoff between) it took over 5 minutes.
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        env = {"HF_HUB_CACHE": str(bad / "hf-cache"), "HF_ENDPOINT": "http://10.255.255.1"}
+        endpoint, paths = request.getfixturevalue("silent_hub")
+        env = {"HF_HUB_CACHE": str(bad / "hf-cache"), "HF_ENDPOINT": endpoint, "HF_HUB_ETAG_TIMEOUT": "2"}
     (tmp_path / "afile").write_text("not a folder")
     before = tree(tmp_path)
     args = [f"model.path={tiny_model}", f"output.dir={tmp_path / 'out'}"]
@@ -193,6 +194,8 @@ def test_bad_input_exits_2_with_one_clear_line(case, tiny_model, bad, tmp_path, 
         assert part in last, f"{part!r} not in the last line: {last}"
     assert tree(tmp_path) == before and not (tmp_path / "out").exists()  # nothing written, not even a lock
     assert TIMES[case] < SECONDS, f"{case} took {TIMES[case]:.1f} s"
+    if case == "model-hub-id-not-cached":  # asked once, never again, and no file of the repo
+        assert [p for p in paths if "nobody" in p] == ["/api/models/nobody/not-a-model"], paths
 
 
 # More processes than chips cannot be driven through launch.sh on this CPU-only machine: these tests give

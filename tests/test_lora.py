@@ -315,6 +315,28 @@ def test_a_hub_lora_is_downloaded_once_and_fused_under_model_offload(loras, tmp_
         server.shutdown()
 
 
+@pytest.mark.timeout(60)  # with the library's retries alone it waits minutes
+def test_a_hub_that_never_answers_is_one_line_in_seconds(silent_hub, monkeypatch):
+    """A LoRA's hub id where the hub holds the connection and never answers: asked once (no retries, each of which
+    would wait again), one line naming the setting, the hub and the wait."""
+    import huggingface_hub.constants
+
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.loras import ensure_downloaded
+
+    endpoint, paths = silent_hub
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cfg = load_config("tiny", ["model.loras=[{path:nobody/a-lora}]"])
+    with pytest.raises(
+        ConfigError, match=r"model.loras\[0\].path nobody/a-lora: the hub at .* did not answer within 1 s"
+    ):
+        ensure_downloaded(cfg)
+    assert [p for p in paths if "nobody" in p] == ["/api/models/nobody/a-lora"], paths
+
+
 def test_real_size_flux2_fuse_adds_only_the_loras_bytes_per_rank():
     """FLUX.2-dev's transformer on the meta device as rank 0 of tp=2 holds it (tools/bench/lora.py, in its own
     process for its fake process group): the fuse changes no weight's size and works in one bounded buffer, far

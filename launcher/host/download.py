@@ -24,16 +24,20 @@ def ensure_downloaded(path: str) -> None:
         return  # a folder, a typo'd path (the model step says so), or offline: the cache is all there is
     if complete_in_cache(path):
         return  # downloaded before: no network at all, so a host without one runs from its cache
-    from diffusers import DiffusionPipeline
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:
+        hub_answers(path, "model.path")
+        from diffusers import DiffusionPipeline
+
         # One file first: a gated or missing repo answers here with its own error, before diffusers turns it
         # into a generic one; and model_index.json is the first file the download needs anyway.
         hf_hub_download(path, "model_index.json")
         logger.info("fetching %s from %s (only the files its pipeline loads)", path, constants.ENDPOINT)
         DiffusionPipeline.download(path)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the chain names the cause
         cause = _root_cause(e, (GatedRepoError, RepositoryNotFoundError))
         if isinstance(cause, GatedRepoError):
@@ -50,6 +54,29 @@ def ensure_downloaded(path: str) -> None:
         raise ConfigError(
             f"cannot download model.path {path} from {constants.ENDPOINT} ({first}); check the network, "
             f"or download it elsewhere (hf download {path}) into HF_HOME"
+        ) from None
+
+
+def hub_answers(repo_id: str, what: str) -> None:
+    """One request for the repo's info, bounded by HF_HUB_ETAG_TIMEOUT and never retried: a hub that cannot be
+    reached (no route, a proxy or a stranger that accepts and never answers) is one line within seconds. The
+    downloads after it retry (5 times, with backoff, per request): minutes against a hub that does not answer.
+    An HTTP answer is an answer: a missing repo raises for the caller; a busy hub (429, 5xx) is left to them."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    wait = constants.HF_HUB_ETAG_TIMEOUT
+    try:
+        HfApi(endpoint=constants.ENDPOINT).model_info(repo_id, timeout=wait)
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else 0
+        if status != 429 and status < 500:
+            raise
+    except Exception as e:  # noqa: BLE001 - no HTTP answer at all: a timeout, a refused or reset connection
+        raise ConfigError(
+            f"{what} {repo_id}: the hub at {constants.ENDPOINT} did not answer within {wait} s "
+            f"({type(e).__name__}); check the network and HF_ENDPOINT (HF_HUB_ETAG_TIMEOUT sets the wait), or "
+            f"download it elsewhere (hf download {repo_id}) into HF_HOME"
         ) from None
 
 
