@@ -342,8 +342,10 @@ def s3(tmp_path_factory):
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    server = subprocess.Popen(  # moto's server, with S3's atomic conditional create (see tests/s3_server.py)
+        [sys.executable, str(Path(__file__).parent / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=log,
     )
     try:
         for _ in range(100):
