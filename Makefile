@@ -25,10 +25,14 @@ demo: venv
 	./launch.sh
 	$(BIN)/python tools/status.py outputs/tiny
 
+# Two pytest workers on the 2-core CI machine: the suite is CPU-bound (mostly the imports of ~90 launches), and each
+# launch costs more CPU the more run beside it (one tiny job alone 9.2 CPU-s, 10.0 with 2 at once, 11.2 with 4, 12.2
+# with 6), so 4 workers spent 22-23 CPU-minutes where 2 spend 19 and finish sooner despite a core idle while a
+# test waits on a stopped job.
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -n 4 --dist loadscope --no-loadscope-reorder
+	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # Mutation checks of launcher/ledger/ and the exit-code decision (pyproject's [tool.mutmut]): every surviving
 # mutant is a change of the product that the fast known-answer tests do not notice. Not part of `make test`.
