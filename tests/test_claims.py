@@ -158,3 +158,32 @@ def test_claim_edges_out_of_space_a_lost_create_and_the_finish_boundary(tmp_path
     assert not Claims(store, 0, "a").try_claim(7, seen=None)  # done since the plan read it: by another
     store.write_json("state/shard-00008.json", {"status": "failed"})  # no finish time (an old state file)
     assert Claims(store, 0, "b").try_claim(8, seen=None)
+
+
+@pytest.mark.parametrize("where", ["disk", "s3"])
+def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_path, request):
+    """A run killed between a shard's state and its claim's release leaves the claim on a done shard, which no
+    later run claims again: the end of a run that shares the folder with no live run deletes it (and on disk the
+    empty folders), and keeps a live run's claim. Seen once as a finished folder that kept claims/ (test_faults)."""
+    from launcher.ledger.plan import tidy
+
+    if where == "s3":
+        request.getfixturevalue("s3")  # the local S3 server
+    store = Store(str(tmp_path) if where == "disk" else "s3://meshgen-test/tidy")
+    store.write_json("state/shard-00001.json", {"status": "done", "attempt": "killed/g00000"})
+    assert Claims(store, 0, "killed").try_claim(1, seen="killed/g00000")  # run "killed" holds no lock: dead
+    live = RunLock(store, 3, "live")
+    live.acquire()
+    try:
+        assert Claims(store, 3, "live").try_claim(4)
+        tidy(store)
+        left = [f.base_name for i in (1, 4) for f in store.files(f"claims/shard-{i:05d}")]
+        assert left == ["g00000.json"] and store.read_json("claims/shard-00004/g00000.json")["run_id"] == "live"
+        if where == "disk":
+            assert not (tmp_path / "claims" / "shard-00001").exists()
+    finally:
+        live.release()
+    tidy(store)
+    assert store.files("claims/shard-00004") == []
+    if where == "disk":
+        assert not (tmp_path / "claims").exists()

@@ -21,6 +21,7 @@ holds its lock: see launcher/ledger/lock.py.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 from launcher.errors import unwritable
@@ -114,6 +115,32 @@ def _newest(store: Store, shard_index: int, gens: list[int]) -> dict:
 
 def _live(store: Store, claim: dict) -> bool:
     return run_alive(store, claim.get("worker", -1), claim.get("run_id", ""))
+
+
+def forget_dead(store: Store) -> None:
+    """Delete the claims of runs that hold no lock: a run killed after writing a shard's state and before releasing
+    its claim leaves one on a done shard, which no later run claims again, so nobody else would delete it. Only at
+    the end of a run that no other live run shares the folder with: a claim created since is live, and kept."""
+    import pyarrow.fs as pafs
+
+    found = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), recursive=True, allow_not_found=True))
+    for info in found:
+        if info.type != pafs.FileType.File or not info.base_name.endswith(".json"):
+            continue
+        rel = info.path[len(store.path("")) :].lstrip("/")
+        try:
+            claim = store.read_json(rel) or {}
+        except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
+            claim = {}
+        if not _live(store, claim):
+            store.delete(rel)
+    if store.is_local:  # an object store has no folders
+        for info in found:
+            if info.type == pafs.FileType.Directory:
+                try:
+                    os.rmdir(info.path)
+                except OSError:  # a live run's claim is in it
+                    pass
 
 
 def held_elsewhere(store: Store, shard_index: int, run_id: str) -> int | None:

@@ -176,14 +176,16 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
 
 
 def tidy(store: Store) -> None:
-    """At the end of a run that no other live run shares the folder with: the plan files that killed runs left
-    (kill -9 skips their removal), and the empty claims/ and plans/ folders of a finished one."""
+    """At the end of a run that no other live run shares the folder with: the plan files and claims that killed
+    runs left (kill -9 skips their removal), and the empty claims/ and plans/ folders of a finished one."""
     import os
 
+    from launcher.ledger.claims import forget_dead
     from launcher.ledger.states import CLAIMS_DIR
 
     for info in store.files(PLANS_DIR, ".arrow"):
         store.delete(f"{PLANS_DIR}/{info.base_name}")
+    forget_dead(store)
     if store.is_local:  # an object store has no folders
         for name in (PLANS_DIR, CLAIMS_DIR):
             try:
