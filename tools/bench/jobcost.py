@@ -1,12 +1,13 @@
 """What one small job costs the host's CPU, by process: `python -m tools.bench.jobcost [--repeats 5]
-[--model models/tiny-flux2] [--out bench-jobcost.json] [-- OVERRIDE ...]`.
+[--at-once 1] [--model models/tiny-flux2] [--out bench-jobcost.json] [-- OVERRIDE ...]`.
 
 Runs `./launch.sh` (conf `tiny`: 20 prompts, 64x64, 4 steps, tp=2 unless overridden) into a fresh folder per
 repeat. `total` is the CPU (user + system) of the whole process tree, exact: the rusage of the launcher and every
 process it waited for, directly or through its children. The split by role (launcher, forkserver, worker,
 writer) samples every process of the tree every 20 ms, so it misses what a process spends in its last 20 ms and
 does not add up to the total. On a 2-core CI machine the test suite's ~90 real jobs are most of its CPU, and
-their start-up (imports, model load, exit) is most of each job's.
+their start-up (imports, model load, exit) is most of each job's. `--at-once N` starts N copies of the job together
+in each repeat and reports their CPU per job (no split by role): what a job costs beside others, as in the suite.
 """
 
 from __future__ import annotations
@@ -73,9 +74,31 @@ def one_job(overrides: list[str], out: Path) -> dict:
     return {"total": round(total, 2), "wall": round(time.perf_counter() - t0, 2), "roles": roles}
 
 
+def jobs_at_once(overrides: list[str], outs: list[Path]) -> dict:
+    """Runs of the job started together, one per folder: their exact CPU per job, and the wall time of them all."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [str(REPO / "launch.sh"), f"output.dir={o}", *overrides],
+            stdout=subprocess.DEVNULL,
+            stderr=open(f"{o}.log", "w"),
+            env=env,
+        )
+        for o in outs
+    ]
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"a job failed (exits {[p.returncode for p in procs]}); see {outs[0]}.log and its siblings")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"total": round(total / len(outs), 2), "wall": round(time.perf_counter() - t0, 2), "roles": {}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--at-once", type=int, default=1, help="copies of the job started together in each repeat")
     ap.add_argument("--model", default=str(REPO / "models" / "tiny-flux2"))
     ap.add_argument("--out", default="bench-jobcost.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the job, after --")
@@ -84,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            runs.append(one_job(overrides, Path(tmp) / f"out{i}"))
+            if args.at_once > 1:
+                runs.append(jobs_at_once(overrides, [Path(tmp) / f"out{i}-{j}" for j in range(args.at_once)]))
+            else:
+                runs.append(one_job(overrides, Path(tmp) / f"out{i}"))
     med = {k: statistics.median(r[k] for r in runs) for k in ("total", "wall")}
     per_role = {}
     for name in sorted({n for r in runs for n in r["roles"]}):
@@ -92,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         per_role[name] = {"median": statistics.median(cpu), "processes per job": len(cpu) / len(runs)}
     totals = sorted(r["total"] for r in runs)
     print(f"job: {' '.join(overrides)}")
-    print(f"CPU per job (s): median {med['total']:.2f}, min {totals[0]:.2f}, max {totals[-1]:.2f}", end="")
+    together = f", {args.at_once} at once" if args.at_once > 1 else ""
+    print(f"CPU per job (s{together}): median {med['total']:.2f}, min {totals[0]:.2f}, max {totals[-1]:.2f}", end="")
     print(f"; wall {med['wall']:.1f} s")
     for name, v in per_role.items():
         print(f"  {name:10s} {v['median']:5.2f} CPU-s each, {v['processes per job']:.1f} per job (sampled)")
-    Path(args.out).write_text(json.dumps({"overrides": overrides, "median": med, "roles": per_role, "runs": runs}))
+    record = {"overrides": overrides, "at_once": args.at_once, "median": med, "roles": per_role, "runs": runs}
+    Path(args.out).write_text(json.dumps(record))
     return 0
 
 
