@@ -110,3 +110,23 @@ def test_a_port_in_use_is_one_line_at_start(tiny_model, tmp_path):
         "it: pick a free port and set MASTER_PORT to it on every host"
     ]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_after_a_failure_a_host_counts_as_alive_only_if_its_beat_changes_twice(alive):
+    """settle(), after this host's workers failed: was another host lost? Its first beat that the watch reads
+    afterwards may be the last one of a host killed just before (the watch reads every second), so that alone is
+    no sign of life: taken as one, a lost host's job exited 1 (a crash) instead of 3, once on a loaded machine."""
+    from launcher.host.peers import PeerWatch
+
+    watch = PeerWatch(0, 2, "127.0.0.1", 1)  # not entered: no store, no threads; the test plays the watch
+
+    def beats() -> None:
+        for value in range(7, 12 if alive else 8):  # a dead host's counter changes once more, then never
+            time.sleep(0.3)
+            watch._seen[1] = (value, time.monotonic())
+        time.sleep(0.5)
+        watch.lost = watch.lost or "host 1 (node rank 1) stopped answering"  # as the watch says LOST_AFTER_S later
+
+    threading.Thread(target=beats, daemon=True).start()
+    assert watch.settle() == (None if alive else "host 1 (node rank 1) stopped answering")

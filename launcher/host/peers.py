@@ -98,11 +98,18 @@ class PeerWatch:
 
     def settle(self) -> str | None:
         """After workers failed: whether a lost host caused it. Waits until every other host's heartbeat has
-        been seen to change since (alive: a failure of our own), or the loss shows (at most LOST_AFTER_S)."""
+        been seen to change twice since (alive: a failure of our own), or the loss shows (at most LOST_AFTER_S).
+        Twice: the first change seen may be the last beat of a host that died just before, which the watch read
+        only now (a lost host taken for alive made its exit 1, a crash, instead of 3; seen on a loaded machine)."""
         start = time.monotonic()
         deadline = start + LOST_AFTER_S + 2 * HEARTBEAT_S
+        first: dict[int, int] = {}  # node -> the first value of its counter seen since start
         while self.lost is None and time.monotonic() < deadline:
-            if all(n in self._said_bye or self._seen.get(n, (0, 0.0))[1] > start for n in self._others):
+            for n in self._others:
+                value, when = self._seen.get(n, (0, 0.0))
+                if when > start:
+                    first.setdefault(n, value)
+            if all(n in self._said_bye or (n in first and self._seen[n][0] != first[n]) for n in self._others):
                 return None
             time.sleep(0.1)
         return self.lost
