@@ -62,6 +62,7 @@ def hub_answers(repo_id: str, what: str) -> None:
     reached (no route, a proxy or a stranger that accepts and never answers) is one line within seconds. The
     downloads after it retry (5 times, with backoff, per request): minutes against a hub that does not answer.
     An HTTP answer is an answer: a missing repo raises for the caller; a busy hub (429, 5xx) is left to them."""
+    import httpx2  # huggingface_hub's HTTP client: its transport errors are "no answer"
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -72,7 +73,7 @@ def hub_answers(repo_id: str, what: str) -> None:
         status = e.response.status_code if e.response is not None else 0
         if status != 429 and status < 500:
             raise
-    except Exception as e:  # noqa: BLE001 - no HTTP answer at all: a timeout, a refused or reset connection
+    except (httpx2.TransportError, OSError) as e:  # no HTTP answer: a timeout, a refused or reset connection
         raise ConfigError(
             f"{what} {repo_id}: the hub at {constants.ENDPOINT} did not answer within {wait} s "
             f"({type(e).__name__}); check the network and HF_ENDPOINT (HF_HUB_ETAG_TIMEOUT sets the wait), or "
