@@ -123,24 +123,21 @@ def forget_dead(store: Store) -> None:
     the end of a run that no other live run shares the folder with: a claim created since is live, and kept."""
     import pyarrow.fs as pafs
 
-    found = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), recursive=True, allow_not_found=True))
-    for info in found:
-        if info.type != pafs.FileType.File or not info.base_name.endswith(".json"):
-            continue
-        rel = info.path[len(store.path("")) :].lstrip("/")
-        try:
-            claim = store.read_json(rel) or {}
-        except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
-            claim = {}
-        if not _live(store, claim):
-            store.delete(rel)
-    if store.is_local:  # an object store has no folders
-        for info in found:
-            if info.type == pafs.FileType.Directory:
-                try:
-                    os.rmdir(info.path)
-                except OSError:  # a live run's claim is in it
-                    pass
+    shards = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), allow_not_found=True))
+    for folder in (f"{CLAIMS_DIR}/{i.base_name}" for i in shards if i.type == pafs.FileType.Directory):
+        for info in store.files(folder, ".json"):
+            rel = f"{folder}/{info.base_name}"
+            try:
+                claim = store.read_json(rel) or {}
+            except ValueError:  # unreadable: its writer died mid-write on a store without atomic create
+                claim = {}
+            if not _live(store, claim):
+                store.delete(rel)
+        if store.is_local:  # an object store has no folders
+            try:
+                os.rmdir(store.local(folder))
+            except OSError:  # a live run's claim is in it
+                pass
 
 
 def held_elsewhere(store: Store, shard_index: int, run_id: str) -> int | None:
