@@ -79,16 +79,17 @@ def jobs_at_once(overrides: list[str], outs: list[Path]) -> dict:
     env = {**os.environ, "PYTHON": sys.executable}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
+    logs = [open(f"{o}.log", "w") for o in outs]
     procs = [
         subprocess.Popen(
-            [str(REPO / "launch.sh"), f"output.dir={o}", *overrides],
-            stdout=subprocess.DEVNULL,
-            stderr=open(f"{o}.log", "w"),
-            env=env,
+            [str(REPO / "launch.sh"), f"output.dir={o}", *overrides], stdout=subprocess.DEVNULL, stderr=log, env=env
         )
-        for o in outs
+        for o, log in zip(outs, logs, strict=True)
     ]
-    if any(p.wait() for p in procs):
+    failed = any([p.wait() for p in procs])  # a list: wait for every one
+    for log in logs:
+        log.close()
+    if failed:
         raise SystemExit(f"a job failed (exits {[p.returncode for p in procs]}); see {outs[0]}.log and its siblings")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-jobcost.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the job, after --")
     args = ap.parse_args(argv)
+    if args.at_once < 1 or args.repeats < 1:
+        ap.error(f"--at-once {args.at_once} and --repeats {args.repeats} must be 1 or more")
     overrides = [f"model.path={args.model}", *args.overrides]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
