@@ -79,6 +79,9 @@ def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean
     out = tmp_path / "out"
 
     proc, workers = interrupted(job, out)  # Ctrl-C
+    # The workers' server was forked from the launcher, sharing its torch import (launcher/host/worker_start.py)
+    [server] = {w.parent() for w in workers}
+    assert server.ppid() == proc.pid and f"meshgen, pid {proc.pid}" in " ".join(server.cmdline())
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 128 + signal.SIGINT
     _, alive = psutil.wait_procs(workers, timeout=10)

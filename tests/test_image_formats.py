@@ -18,7 +18,7 @@ JPEG_Q95_LUMA = [
     2, 1, 1, 2, 2, 4, 5, 6, 1, 1, 1, 2, 3, 6, 6, 6, 1, 1, 2, 2, 4, 6, 7, 6, 1, 2, 2, 3, 5, 9, 8, 6,
     2, 2, 4, 6, 7, 11, 10, 8, 2, 4, 6, 6, 8, 10, 11, 9, 5, 6, 8, 9, 10, 12, 12, 10, 7, 9, 10, 10, 11, 10, 10, 10,
 ]  # fmt: skip
-# At tp=1 (one worker, no forkserver: a cheaper launch), as the PNG run they are compared with.
+# At tp=1 (one worker: a cheaper launch), as the PNG run they are compared with.
 TP1 = "mesh.tp=1"
 JPEG_JOB = (TP1, "output.format=jpeg", "output.webdataset=true", "output.row_group_size=3")
 

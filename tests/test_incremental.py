@@ -6,7 +6,7 @@ from pathlib import Path
 from conftest import REPO, bare_flux2, file_snapshot, launch, pixels, read_rows
 
 PROMPTS = (REPO / "conf" / "prompts" / "tiny.txt").read_text().splitlines()  # 20 prompts, shards of 8
-TP1 = "mesh.tp=1"  # one worker, no forkserver: a cheaper launch, and the mesh plays no part here
+TP1 = "mesh.tp=1"  # one worker: a cheaper launch, and the mesh plays no part here
 
 
 def shard_files(out: Path, index: int) -> dict:

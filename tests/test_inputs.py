@@ -314,15 +314,16 @@ def test_addresses_with_credentials_are_refused_and_never_shown(tiny_model, s3, 
 
 
 def test_an_s3_runs_log_lines_keep_the_scheme(tiny_model, s3, tmp_path):
-    """Rank 0 of a run on S3 dies at its start (a sitecustomize on the workers' path); the launcher names its log
-    by its whole address, and that address is where the log is."""
+    """Rank 0 of a run on S3 dies at its start (a sitecustomize on the workers' path, which runs where a worker
+    starts as a fresh interpreter); the launcher names its log by its whole address, and that address is where the
+    log is."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('RANK') == '0' and os.environ.get('MESHGEN_TEST_DIE'):\n    os._exit(7)\n"
     )
     url = "s3://meshgen-test/logpaths"
-    env = {**s3, "PYTHONPATH": f"{site}:{REPO}", "MESHGEN_TEST_DIE": "1"}
+    env = {**s3, "PYTHONPATH": f"{site}:{REPO}", "MESHGEN_TEST_DIE": "1", "MESHGEN_WORKER_START": "subprocess"}
     res = launch(f"model.path={tiny_model}", f"output.dir={url}", "mesh.tp=1", env=env)
     assert res.returncode == 7, res.stderr[-3000:]
     [line] = [ln for ln in res.stderr.splitlines() if "its log:" in ln]

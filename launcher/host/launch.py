@@ -122,7 +122,22 @@ def run_hosts(cfg, plan_: LaunchPlan, logs=None) -> int:
 
 
 def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
-    """`pf`: the preflight's findings (launcher/host/preflight.py): the output folder, its ledger, the plan."""
+    """`pf`: the preflight's findings (launcher/host/preflight.py): the output folder, its ledger, the plan.
+
+    The workers' server is forked here, before the books start their threads (launcher/host/worker_start.py)."""
+    from launcher.host.worker_start import server_forked_early
+
+    cfg = pf.cfg
+    os.environ.update(plan_.env)  # before torch is imported, in this process and in the workers' server
+    first_host = cfg.mesh.nodes == 1 or os.environ.get("NODE_RANK", "0") == "0"
+    works = not first_host or cfg.run.overwrite or pf.plan.selected
+    with server_forked_early(plan_.start if works else "subprocess"):
+        return keep_books(pf, conf, overrides, plan_) if first_host else run_hosts(cfg, plan_)
+
+
+def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
+    """The books of the run (lock, plan, records, summary), the workers in between. On a job over several hosts
+    the first host's launcher keeps them; the others only run their workers."""
     from launcher.host.card import write_card
     from launcher.host.space import stopped_by_space
     from launcher.ledger import runs
@@ -133,11 +148,6 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.workers import resolve_workers
 
     cfg = pf.cfg
-    if cfg.mesh.nodes > 1 and os.environ.get("NODE_RANK", "0") != "0":
-        # One job over several hosts: the first host's launcher keeps the books (lock, plan, records, summary);
-        # the others only run their workers.
-        os.environ.update(plan_.env)
-        return run_hosts(cfg, plan_)
     store, sizes, ledger, plan = pf.store, pf.sizes, pf.ledger, pf.plan
     index, _ = resolve_workers(cfg)
     start = time.time()
@@ -211,7 +221,7 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
     warn_if_short(cfg, store, samples)
     if best_effort("the run's plan", write_plan_file, store, plan_rel(run_id), cfg, plan, sizes):
         return EXIT_SHARDS_FAILED, True
-    os.environ.update(plan_.env, MESHGEN_RUN_ID=run_id)
+    os.environ["MESHGEN_RUN_ID"] = run_id
     try:
         with WorkerLogs(store, run_id) as logs, Progress(ledger, samples, run_id):
             return run_hosts(cfg, plan_, logs), False
