@@ -128,3 +128,16 @@ def _gone(pid: int, timeout: float) -> bool:
         return not alive or alive[0].status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_the_writer_process_starts_without_pandas_or_hydra(tmp_path):
+    """What the writer process imports is what it needs: not pandas (pyarrow would import it at the first Parquet
+    write, 0.4 s) and not Hydra (the output settings reach it as plain values, not the config's dataclass)."""
+    writer = BackgroundWriter(Store(str(tmp_path)), load_config("tiny").output, 1, on_recorded=lambda i: None)
+    writer.submit(_job(0))
+    # evaluated in the writer process, after its warm-up and a shard's Parquet write
+    loaded = writer._process.submit(eval, "sorted(__import__('sys').modules)").result(timeout=120)
+    writer.close()
+    assert "pyarrow.parquet" in loaded and "numpy" in loaded
+    assert not {"pandas", "hydra", "launcher.config"} & set(loaded)
+    assert sorted(read_rows(tmp_path)) == [f"0-{k}" for k in range(3)]

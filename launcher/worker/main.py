@@ -58,6 +58,10 @@ def entry(*argv: str) -> int:
     from launcher.worker.preload import SERVER_PID  # imported already: it is what the server preloads
 
     os.setsid()
+    # This module as __main__, as in a worker that torchrun starts with `-m launcher.worker.main`: multiprocessing
+    # made the launcher's module this process's __main__, and a process spawned from here (the writer) imports
+    # __main__ again: the launcher's would cost it 0.15 s of imports.
+    sys.modules["__main__"] = sys.modules[__name__]
     # ps, pkill -f and psutil see what torchrun would have started, not the forkserver's command line
     setproctitle(" ".join([sys.executable, "-m", __spec__.name, *argv]))
     die_with_parent(SERVER_PID)
