@@ -131,7 +131,10 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     os.environ.update(plan_.env)  # before torch is imported, in this process and in the workers' server
     first_host = cfg.mesh.nodes == 1 or os.environ.get("NODE_RANK", "0") == "0"
     works = not first_host or cfg.run.overwrite or pf.plan.selected
-    with server_forked_early(plan_.start if works else "subprocess"):
+    # A process that has talked to an object store holds its client's native threads and connections, which a fork
+    # would copy half-alive: there the server starts as a fresh interpreter.
+    remote = not pf.store.is_local or "://" in str(cfg.dataset.path)
+    with server_forked_early(plan_.start if works and not remote else "subprocess"):
         return keep_books(pf, conf, overrides, plan_) if first_host else run_hosts(cfg, plan_)
 
 

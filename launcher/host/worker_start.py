@@ -14,8 +14,9 @@ The server is itself forked from the launcher (`server_forked_early`), before th
 (the run's lock heartbeat, the progress bar), so that it shares the launcher's own torch import instead of
 starting an interpreter and importing torch again: 0.9-1.0 CPU-s and ~1.5 s less per launch, measured with one
 worker and with two. That makes the server cheaper than a fresh interpreter even for one worker. Where the
-launcher already runs other threads (its main() called inside another program), multiprocessing starts the server
-as a fresh interpreter instead.
+launcher already runs other threads (its main() called inside another program), or has talked to an object store
+(whose client's native threads and connections a fork would copy half-alive), multiprocessing starts the server as
+a fresh interpreter instead.
 
 `MESHGEN_WORKER_START=subprocess|forkserver` overrides the choice.
 """
@@ -69,7 +70,7 @@ def server_forked_early(start: str) -> Iterator[None]:
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()
-    alive_r, alive_w = os.pipe()  # as multiprocessing's: the server ends when every holder of alive_w has
+    alive_r, alive_w = os.pipe()  # as multiprocessing's: the server ends once no process holds alive_w open
     control_r, control_w = os.pipe()
     launcher = os.getpid()
     pid = os.fork()
@@ -100,8 +101,8 @@ def _serve(listener: socket.socket, alive_r: int, control_r: int, launcher: int)
         from setproctitle import setproctitle
 
         setproctitle(f"{sys.executable} -c from multiprocessing.forkserver import main  # meshgen, pid {launcher}")
-        # The workers get this process's signal handlers: those of a fresh interpreter, not the launcher's.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A Ctrl-C meanwhile is the launcher's to act on (as multiprocessing's server ignores it while it serves).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         logging.root.handlers.clear()  # the launcher's; every worker sets up its own
         with os.fdopen(control_r, "rb") as control:
@@ -109,6 +110,8 @@ def _serve(listener: socket.socket, alive_r: int, control_r: int, launcher: int)
         if message:
             os.environ.clear()
             os.environ.update(pickle.loads(message))
+            # The workers get the handlers the server had before it served: a fresh interpreter's, not the launcher's
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             multiprocessing.forkserver.main(listener.fileno(), alive_r, PRELOAD)
     finally:
         os._exit(0)
@@ -123,6 +126,7 @@ def preloaded_forkserver() -> Iterator[None]:
     worker; either is stopped at the end: a second launch from the same process (the tests call main()
     repeatedly) gets a server with its own environment."""
     server = multiprocessing.forkserver._forkserver
+    multiprocessing.set_forkserver_preload(PRELOAD)  # also for a server started afresh if the forked one died
     early = dict(_early)
     _early.clear()
     if early:
@@ -131,8 +135,6 @@ def preloaded_forkserver() -> Iterator[None]:
         server._forkserver_pid = early["pid"]
         with os.fdopen(early["control_w"], "wb") as control:
             control.write(pickle.dumps(dict(os.environ)))
-    else:
-        multiprocessing.set_forkserver_preload(PRELOAD)
     try:
         yield
     finally:
