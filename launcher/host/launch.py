@@ -133,7 +133,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     works = not first_host or cfg.run.overwrite or pf.plan.selected
     # A process that has talked to an object store holds its client's native threads and connections, which a fork
     # would copy half-alive: there the server starts as a fresh interpreter.
-    remote = not pf.store.is_local or "://" in str(cfg.dataset.path)
+    remote = any("://" in str(address) for address in (cfg.output.dir, cfg.dataset.path))
     with server_forked_early(plan_.start if works and not remote else "subprocess"):
         return keep_books(pf, conf, overrides, plan_) if first_host else run_hosts(cfg, plan_)
 
