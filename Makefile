@@ -9,8 +9,8 @@ venv: $(VENV)/.installed
 
 # torch: the wheel that `pip install torch==2.13.0` picks with this machine's pip configuration (the CPU wheel on
 # disk; asked for through another package's requirements pip could pick a multi-GB CUDA build), found by a pip dry
-# run and installed with everything else by uv, which unpacks and byte-compiles in parallel: ~40 s on a clean clone
-# where pip took ~60 s (torch alone 23 s), and each `make test` on a clean clone pays it. By pip where uv cannot be had.
+# run and installed with everything else by uv, which unpacks and byte-compiles in parallel: ~53 s on a clean clone
+# where pip took ~67 s (torch alone 23 s), and each `make test` on a clean clone pays it. By pip where uv cannot be had.
 UV := uv==0.13.9
 TORCH := torch==2.13.0
 $(VENV)/.installed: pyproject.toml

@@ -66,3 +66,23 @@ def test_tpu_without_torch_tpu_says_how_to_install(tmp_path):
     assert res.returncode == 2
     assert 'pip install -e ".[tpu]"' in res.stderr.strip().splitlines()[-1]
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_process_that_opened_an_object_store_is_not_forked_for_the_server(s3, tmp_path):
+    """The workers' server is forked from the launcher only if the launcher never opened an object store's client
+    (whatever opened it: the output, the prompts, a reference): launcher/host/launch.py asks opened_remote()."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from launcher.ledger.store import Store, opened_remote\n"
+        "from launcher.ledger.prompts import filesystem\n"
+        f"Store({str(tmp_path)!r}); filesystem({str(tmp_path)!r})\n"
+        "print(opened_remote())\n"
+        "filesystem('s3://meshgen-test/prompts/*.txt')\n"
+        "print(opened_remote())\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **s3})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "True"]

@@ -161,8 +161,10 @@ def check_object_store(url: str) -> None:
         raise ConfigError(f'output.dir={url} needs {needs[0]}: pip install -e ".[{needs[1]}]"')
     import pyarrow.fs as pafs
 
+    from launcher.ledger.store import open_uri
+
     try:
-        fs, root = pafs.FileSystem.from_uri(url)
+        fs, root = open_uri(url)
         found = fs.get_file_info(root.split("/", 1)[0]).type != pafs.FileType.NotFound
         problem = "" if found else "no such bucket"
     except Exception as e:  # whatever the store says: no credentials, unreachable

@@ -126,15 +126,15 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
 
     The workers' server is forked here, before the books start their threads (launcher/host/worker_start.py)."""
     from launcher.host.worker_start import server_forked_early
+    from launcher.ledger.store import opened_remote
 
     cfg = pf.cfg
     os.environ.update(plan_.env)  # before torch is imported, in this process and in the workers' server
     first_host = cfg.mesh.nodes == 1 or os.environ.get("NODE_RANK", "0") == "0"
     works = not first_host or cfg.run.overwrite or pf.plan.selected
-    # A process that has talked to an object store holds its client's native threads and connections, which a fork
-    # would copy half-alive: there the server starts as a fresh interpreter.
-    remote = any("://" in str(address) for address in (cfg.output.dir, cfg.dataset.path))
-    with server_forked_early(plan_.start if works and not remote else "subprocess"):
+    # A process that has opened an object store's client (output, prompts, references, ...) holds its native threads
+    # and connections, which a fork would copy half-alive: there the server starts as a fresh interpreter.
+    with server_forked_early(plan_.start if works and not opened_remote() else "subprocess"):
         return keep_books(pf, conf, overrides, plan_) if first_host else run_hosts(cfg, plan_)
 
 

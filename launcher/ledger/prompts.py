@@ -20,6 +20,7 @@ import pyarrow.fs as pafs
 from launcher.errors import ConfigError
 from launcher.ledger.addresses import check_address
 from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
+from launcher.ledger.store import open_uri
 
 # Per-row columns that override the config for that sample, where the pipeline accepts them, with their types.
 OVERRIDE_COLUMNS = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
@@ -221,9 +222,9 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
         check_address(path, "dataset.path")
         magic = [path.index(c) for c in "*?[" if c in path]
         if not magic:
-            return pafs.FileSystem.from_uri(path)
+            return open_uri(path)
         head = path[: min(magic)].rpartition("/")[0]  # a URI parser refuses '[': give it the part before the glob
-        fs, root = pafs.FileSystem.from_uri(head)
+        fs, root = open_uri(head)
         return fs, root + path[len(head) :]
     return pafs.LocalFileSystem(), path
 

@@ -32,6 +32,19 @@ RETRY_DELAY_S = 0.5  # before the second attempt; doubled before each next one
 FOLDER_RACE_TRIES = 5  # to make a local folder that another process removes the moment it is empty
 
 HOST = socket.gethostname().replace("/", "_")
+_OPENED = {"remote": False}  # whether this process has opened an object store's client: see open_uri
+
+
+def open_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for a gs:// or s3:// address, and the path in it; this process remembers it opened one
+    (`opened_remote`), because a fork of it would copy the client's threads and connections half-alive."""
+    _OPENED["remote"] = True
+    return pafs.FileSystem.from_uri(uri)
+
+
+def opened_remote() -> bool:
+    """Whether this process has opened an object store's client (open_uri)."""
+    return _OPENED["remote"]
 
 
 def tmp_name(name: str) -> str:
@@ -54,7 +67,7 @@ class Store:
         if self.is_local:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(uri).resolve())
         else:
-            self.fs, self.root = pafs.FileSystem.from_uri(uri.rstrip("/"))
+            self.fs, self.root = open_uri(uri.rstrip("/"))
         self.uri = self.root if self.is_local else uri.rstrip("/")
         self.scheme = "file" if self.is_local else uri.split("://", 1)[0]
         self._clock_offset: float | None = None
