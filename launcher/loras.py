@@ -7,7 +7,6 @@ is read from the Hugging Face cache without the network.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -114,20 +113,11 @@ def ensure_downloaded(cfg) -> None:
             ) from None
 
 
-_HASHES: dict[tuple, str] = {}
-
-
 def file_sha256(path: Path) -> str:
-    """The file's sha256 (cached in this process by path, size and mtime: run.json is judged several times)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _HASHES[key] = h.hexdigest()
-    return _HASHES[key]
+    """The file's sha256, remembered across runs by path and stamps (launcher/hashes.py, shared with the weights)."""
+    from launcher.hashes import file_sha256 as cached_sha256
+
+    return cached_sha256(path)
 
 
 def fingerprint_entries(cfg) -> list[dict]:

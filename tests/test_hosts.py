@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from conftest import LAUNCH, launch, read_rows, slow_job
+from conftest import LAUNCH, PROMPTS, launch, read_rows, slow_job
 from test_faults import assert_same_as_clean, done_count, wait_for
 
 N = 12
@@ -27,15 +27,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_hosts(job: list[str], port: int) -> list[subprocess.Popen]:
+STARTED: list[subprocess.Popen] = []  # every launcher start_hosts started, ended after its test however it ended
+
+
+@pytest.fixture(autouse=True)
+def end_started_hosts():
+    """A test that fails or times out waiting (on the first host, after the second's kill) leaves no host running."""
+    yield
+    while STARTED:
+        p = STARTED.pop()
+        if p.poll() is None:
+            for q in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]:
+                try:
+                    q.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        p.wait()
+        for f in (p.stdout, p.stderr):
+            f.close()
+
+
+def start_hosts(job: list[str], port: int, extra: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+    """Both hosts' launchers; `extra`: overrides only one host adds."""
     procs = []
     for node in (0, 1):
         env = {**os.environ, "PYTHON": sys.executable, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1"}
         env.update(MASTER_PORT=str(port))
-        procs.append(
-            subprocess.Popen([LAUNCH, *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        )
+        args = [LAUNCH, *job, *(extra or {}).get(node, [])]
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        STARTED.append(procs[-1])
     return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Each launcher's exit code and stderr, within `timeout` in all (past it, end_started_hosts kills them)."""
+    deadline = time.monotonic() + timeout
+    errs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
+
+
+def test_hosts_started_with_other_settings_all_refuse_before_anything_is_written(tiny_model, tmp_path):
+    """Host 1 joins host 0's job with its own generation settings: every host exits 2 naming what differs, before
+    any worker starts or a byte is written (it used to generate its share with them, and exit 0)."""
+    out = tmp_path / "out"
+    job = [f"model.path={tiny_model}", PROMPTS, "mesh.nodes=2", "mesh.dp=2", "mesh.tp=1", f"output.dir={out}"]
+    procs = start_hosts(job, free_port(), extra={1: ["generate.guidance_scale=9", "generate.seed=5"]})
+    ended = finish(procs, timeout=240)
+    line = (
+        "error: host 1's settings differ from host 0's: generate.guidance_scale 9.0 != 4.0, generate.seed 5 != 0; "
+        "start every host with the same job"
+    )
+    for node, (code, err) in enumerate(ended):
+        assert (code, err.strip().splitlines()[-1:]) == (2, [line]), f"host {node}: {err[-3000:]}"
+    assert not out.exists() or not any(out.iterdir())
 
 
 @pytest.mark.parametrize("axis", ["dp", "tp"])

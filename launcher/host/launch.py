@@ -125,6 +125,7 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     """`pf`: the preflight's findings (launcher/host/preflight.py): the output folder, its ledger, the plan.
 
     The workers' server is forked here, before the books start their threads (launcher/host/worker_start.py)."""
+    from launcher.host.agreement import hosts_agree
     from launcher.host.worker_start import server_forked_early
     from launcher.ledger.store import opened_remote
 
@@ -134,7 +135,8 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     works = not first_host or cfg.run.overwrite or pf.plan.selected
     # A process that has opened an object store's client (output, prompts, references, ...) holds its native threads
     # and connections, which a fork would copy half-alive: there the server starts as a fresh interpreter.
-    with server_forked_early(plan_.start if works and not opened_remote() else "subprocess"):
+    # The hosts of a job agree on it after the fork (the store's thread must not be copied) and before any write.
+    with server_forked_early(plan_.start if works and not opened_remote() else "subprocess"), hosts_agree(cfg):
         return keep_books(pf, conf, overrides, plan_) if first_host else run_hosts(cfg, plan_)
 
 
@@ -153,9 +155,9 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     cfg = pf.cfg
     store, sizes, ledger, plan = pf.store, pf.sizes, pf.ledger, pf.plan
     index, _ = resolve_workers(cfg)
-    start = time.time()
+    start = time.monotonic()  # durations never come from the wall clock: it may step mid-run
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
-    with RunLock(store, index, run_id):
+    with RunLock(store, index, run_id) as lock:
         if cfg.run.overwrite:
             others = other_live_runs(store, index)
             if others:
@@ -185,10 +187,10 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         lines, record = summarize(store, ledger, plan, run_id, start, code, rerun)
         code = record["exit_code"]
         full |= best_effort("the run's record", runs.write_record, store, record)
-        full |= best_effort("the ledger's index", ledger.save_index)
-        full |= best_effort("the dataset card", write_card, store, ledger.states)
-        if not other_live_runs(store, index):
-            best_effort("leftover plans", tidy, store)
+        if lock.held():  # else taken over (this run looked dead): the folder's books are the new holder's
+            full |= best_effort("the ledger's index", ledger.save_index)
+            full |= best_effort("the dataset card", write_card, store, ledger.states)
+        best_effort("leftover plans", tidy, store, lock)
     for line in lines:
         logger.info(line)
     last = stopped_by_space(cfg, store, ledger.states, run_id, full) if code == EXIT_SHARDS_FAILED else None
@@ -274,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         if show_cfg:
             from omegaconf import OmegaConf
 
-            print(OmegaConf.to_yaml(cfg), end="")
+            from launcher.ledger.addresses import masked
+
+            print(masked(OmegaConf.to_yaml(cfg)), end="")  # before any check: an address may still hold a secret
             return EXIT_OK
         if job_file(conf):  # workers compose the same file, wherever they start
             conf = str(job_file(conf))

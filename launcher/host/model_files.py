@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from launcher.errors import ConfigError
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+from launcher.weights import WEIGHT_SUFFIXES  # one list for these checks and the fingerprint
 
 
 def looks_like_hub_id(path: str) -> bool:

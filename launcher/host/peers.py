@@ -12,6 +12,7 @@ A host is lost when its counter stops changing for LOST_AFTER_S as the watcher's
 (no two hosts' clocks are ever compared), or, for the first host that serves the store, when the store stays
 unreachable that long. A launcher that ends sets `meshgen/peer/<node>/bye` first, so that its silence is not a
 loss. On a loss this launcher stops its own workers, as a SIGTERM would, and exits 3 with done shards kept.
+Before any of this, the launchers agree on the job through the same store (launcher/host/agreement.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from launcher.errors import ConfigError
@@ -91,7 +93,7 @@ class PeerWatch:
         store = self._store
         if store is not None:
             try:  # our silence from now on is an end, not a loss
-                store.set(_key(self.node_rank, "bye"), "1")
+                store.set(key(self.node_rank, "bye"), "1")
             except Exception:  # noqa: BLE001 - the store's host may be gone already; nobody is left to tell
                 pass
         self._server = None  # the first host's store goes with this launcher; every agent has left its barrier
@@ -115,23 +117,10 @@ class PeerWatch:
         return self.lost
 
     def _connect(self):
-        """A client of the job's store, once the first host's agent serves it (polled with plain connects, so
-        that torch does not print a warning for each try)."""
-        from torch.distributed import TCPStore
-
-        deadline = time.monotonic() + CONNECT_FOR_S
-        while not self._closing.is_set():
-            try:
-                socket.create_connection((self.addr, self.port), timeout=2.0).close()
-                store = TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False)
-                store.set_timeout(timedelta(seconds=OP_TIMEOUT_S))
-                return store
-            except Exception:  # noqa: BLE001 - not up yet (or torch's store refused us): try again
-                if time.monotonic() > deadline:
-                    self._lose(f"the first host's store ({self.addr}:{self.port}) never answered")
-                    return None
-                time.sleep(0.5)
-        return None
+        store = connect(self.addr, self.port, self._closing.is_set, time.monotonic() + CONNECT_FOR_S)
+        if store is None and not self._closing.is_set():
+            self._lose(f"the first host's store ({self.addr}:{self.port}) never answered")
+        return store
 
     def _watch(self) -> None:
         self._store = store = self._connect()
@@ -141,13 +130,13 @@ class PeerWatch:
         while not self._closing.wait(HEARTBEAT_S):
             now = time.monotonic()
             try:
-                store.add(_key(self.node_rank, "beat"), 1)
+                store.add(key(self.node_rank, "beat"), 1)
                 for n in self._others:
-                    if n in self._said_bye or store.check([_key(n, "bye")]):
+                    if n in self._said_bye or store.check([key(n, "bye")]):
                         self._said_bye.add(n)
                         seen.pop(n, None)
                         continue
-                    value = store.add(_key(n, "beat"), 0)  # reads without waiting; 0 until that host starts
+                    value = store.add(key(n, "beat"), 0)  # reads without waiting; 0 until that host starts
                     if value and seen.get(n, (None,))[0] != value:
                         seen[n] = (value, now)
                 unreachable_since = None
@@ -202,5 +191,23 @@ class PeerWatch:
             logger.warning("could not release the agents' exit barrier: %s", e)
 
 
-def _key(node: int, what: str) -> str:
+def connect(addr: str, port: int, stop: Callable[[], bool], until: float):
+    """A client of the job's store, once the first host serves it (polled with plain connects, so that torch does
+    not print a warning for each try); None once `stop()` or past `until` (monotonic)."""
+    from torch.distributed import TCPStore
+
+    while not stop():
+        try:
+            socket.create_connection((addr, port), timeout=2.0).close()
+            store = TCPStore(addr, port, is_master=False, wait_for_workers=False)
+            store.set_timeout(timedelta(seconds=OP_TIMEOUT_S))
+            return store
+        except Exception:  # noqa: BLE001 - not up yet (or torch's store refused us): try again
+            if time.monotonic() > until:
+                return None
+            time.sleep(0.5)
+    return None
+
+
+def key(node: int, what: str) -> str:
     return f"meshgen/peer/{node}/{what}"

@@ -92,6 +92,18 @@ def loras(pf: Preflight) -> None:
         check_loras(pf.cfg, pf.model.root)
 
 
+def weights(pf: Preflight) -> None:
+    """The weights by content, a digest per component (each file hashed once, then remembered): part of the
+    fingerprint that `output` judges and that the hosts of a job compare."""
+    from launcher.weights import model_weights
+
+    if model_weights(str(pf.cfg.model.path)) is None and pf.dry_run:
+        pf.notes.append(
+            f"# weights: {pf.cfg.model.path} is not on this host yet, so this dry run cannot fingerprint them; the "
+            "real run does once they are here, and refuses a folder made with other weights then"
+        )
+
+
 def model(pf: Preflight) -> None:
     from launcher.host.model_checks import locate
 
@@ -125,8 +137,10 @@ def output(pf: Preflight) -> None:
     """The output folder: writable, meshgen's own (or empty), made with these settings."""
     from launcher.host.checks import check_output
     from launcher.ledger import runs
+    from launcher.ledger.reach import check_output_outside_source
     from launcher.ledger.store import Store
 
+    check_output_outside_source(str(pf.cfg.dataset.path), str(pf.cfg.output.dir))  # before anything is written
     check_output(pf.cfg)
     pf.store = Store(pf.cfg.output.dir)
     runs.check_ours(pf.store)
@@ -185,6 +199,7 @@ STEPS = [
     Step("model fit", model_fit, again=True),
     Step("sweep", sweep, again=True),
     Step("loras", loras, again=True),
+    Step("weights", weights, again=True),
     Step("output", output, books=True),
     Step("prompts", prompts, again=True, books=True),
     Step("fetch", fetch, real_only=True),

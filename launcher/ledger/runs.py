@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from launcher.errors import ConfigError
-from launcher.ledger.shards import settings, settings_diff, settings_fingerprint
+from launcher.ledger.shards import fingerprint_of, settings, settings_diff
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, INDEX, STATE_DIR, WDS_DIR
 from launcher.ledger.store import TMP_MARK, Store
 
@@ -91,11 +91,31 @@ def _holds_a_file(store: Store, info) -> bool:
 
 
 def check_run_json(store: Store, cfg) -> None:
-    """Refuse to resume into a folder made with other settings (exit 2 naming what differs)."""
+    """Refuse to resume into a folder made with other settings or other weights (exit 2 naming what differs).
+
+    A folder made before the weights were fingerprinted (its run.json has none) is accepted when all else is the
+    same, and write_run_json records the weights then: the weights it was made with are unknown, and refusing it
+    would strand every folder made so far. Where this host does not have the model yet (a hub id the run
+    downloads), the rest is judged now and the weights once it is here (the launcher checks again)."""
     old = read_run_json(store)
-    if old is None or old["fingerprint"] == settings_fingerprint(cfg):
+    new = settings(cfg)
+    if old is None or old["fingerprint"] == fingerprint_of(new):
         return
-    diffs = settings_diff(old["settings"], settings(cfg))
+    before, now = weights_of(old["settings"]), weights_of(new)
+    if before is None or now is None:
+        if before is None and old["fingerprint"] == fingerprint_of(without_weights(new)):
+            return
+        if fingerprint_of(without_weights(old["settings"])) == fingerprint_of(without_weights(new)):
+            return
+    diffs = settings_diff(old["settings"], new)
+    changed = sorted(c for c in {*before, *now} if before.get(c) != now.get(c)) if before and now else []
+    if changed:
+        shown = "; ".join(f"{c}: {_short(before.get(c))} -> {_short(now.get(c))}" for c in changed)
+        also = f"; other settings differ too: {'; '.join(diffs)}" if diffs else ""
+        raise ConfigError(
+            f"model.path {cfg.model.path}: the weights of {', '.join(changed)} changed since output.dir {store} was "
+            f"made ({shown}){also}; choose a new output.dir or run.overwrite=true"
+        )
     if any(d.startswith("generate.sweep:") for d in diffs):  # even one more value numbers the variants anew
         raise ConfigError(
             f"{store} holds a run made with another sweep ({'; '.join(diffs)}); a changed sweep, grown ones too, "
@@ -107,22 +127,43 @@ def check_run_json(store: Store, cfg) -> None:
     )
 
 
+def weights_of(settings_: dict) -> dict[str, str] | None:
+    """The weights' digest per component in a run's settings (None: not known when they were taken)."""
+    return settings_.get("model", {}).get("weights")
+
+
+def without_weights(settings_: dict) -> dict:
+    model = {k: v for k, v in settings_.get("model", {}).items() if k != "weights"}
+    return {**settings_, "model": model} if model else {k: v for k, v in settings_.items() if k != "model"}
+
+
+def _short(digest: str | None) -> str:
+    return f"sha256 {digest[:12]}" if digest else "none"
+
+
 def write_run_json(store: Store, cfg, n_shards: int) -> None:
+    """Written when the folder is new, when the source has grown, and when the weights were not yet recorded."""
     from omegaconf import OmegaConf
 
+    from launcher.weights import model_weights
+
     old = store.read_json("run.json") or {}
-    if old and old.get("shards", 0) >= n_shards:
+    new = settings(cfg)
+    recorded = weights_of(old.get("settings", {})) is not None or weights_of(new) is None
+    if old and old.get("shards", 0) >= n_shards and recorded:
         return  # settings are the same (checked), and the source has not grown
+    found = model_weights(str(cfg.model.path))
     store.write_json(
         "run.json",
         {
-            "fingerprint": settings_fingerprint(cfg),
-            "settings": settings(cfg),
+            "fingerprint": fingerprint_of(new),
+            "settings": new,
             "config": old.get("config") or OmegaConf.to_container(cfg),
-            "shards": n_shards,
+            "shards": max(n_shards, old.get("shards", 0)),
             "shard_size": cfg.run.shard_size,
             "versions": versions(),
             "created": old.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+            **({"model_revision": found.revision} if found and found.revision else {}),
         },
     )
 

@@ -49,6 +49,7 @@ LATER_DEFAULTS = {
     ("output", "lossless"): False,
     ("generate", "size_from_reference"): False,
     ("output", "reference_bytes"): False,
+    ("model", "weights"): None,  # not on this host yet (a hub id the run downloads): judged once it is
 }
 
 
@@ -138,6 +139,8 @@ def settings(cfg) -> dict:
         values = {k: _plain(cfg[group][k]) for k in keys if (group, k) not in special}
         if group == "model" and "loras" in keys:
             values["loras"] = _loras(cfg)
+        if group == "model":  # by content: new weights at the same path are another model
+            values["weights"] = _weights(cfg)
         if group == "generate":  # its values as the pipeline takes them; {} and null are no sweep
             from launcher.ledger.sweep import sweep_of
 
@@ -164,7 +167,18 @@ def settings_diff(old: dict, new: dict) -> list[str]:
 
 
 def settings_fingerprint(cfg) -> str:
-    return hashlib.sha256(json.dumps(settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    return fingerprint_of(settings(cfg))
+
+
+def fingerprint_of(settings_: dict) -> str:
+    return hashlib.sha256(json.dumps(settings_, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _weights(cfg) -> dict[str, str] | None:
+    from launcher.weights import model_weights
+
+    found = model_weights(str(cfg.model.path))
+    return found.components if found else None
 
 
 def _loras(cfg) -> list[dict]:
