@@ -65,6 +65,28 @@ def check_settings(cfg) -> None:
     from launcher.ledger.sweep import check_sweep
 
     check_sweep(g, cfg.model.get("loras") or [])
+    check_model_values(cfg)
+
+
+def check_model_values(cfg) -> None:
+    """`model.call_kwargs` and the LoRAs' scales within the bounds every other path to the pipeline meets."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    from launcher.ledger.bounds import LORA_SCALE, call_kwargs_problem
+    from launcher.ledger.sweep import raw_sweep
+
+    kwargs = cfg.model.get("call_kwargs") or {}
+    if problem := call_kwargs_problem(
+        OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs, raw_sweep(cfg.generate)
+    ):
+        raise ConfigError(problem)
+    low, high = LORA_SCALE
+    for i, entry in enumerate(cfg.model.get("loras") or []):
+        scale = float(entry.get("scale", 1.0))
+        if not (math.isfinite(scale) and low <= scale <= high):
+            raise ConfigError(f"model.loras[{i}].scale={scale} must be a finite number from {low:g} to {high:g}")
 
 
 def check_output_settings(o) -> None:

@@ -135,13 +135,14 @@ def size_multiple(model: Model) -> int | None:
 def size_rule(cfg, model: Model):
     """The checks of per-row sizes (launcher/ledger/prompts.py), from the model's configs."""
     from launcher.ledger.prompts import SizeRule
-    from launcher.ledger.sweep import sweep_of
+    from launcher.ledger.sweep import sweep_of, true_cfg_scales
 
     fam = model.family or GENERIC
     # A row that sets one side is checked against the largest value the other side takes (swept or not).
     swept = sweep_of(cfg.generate)
     h, w = (max(swept.get(k, [cfg.generate[k]])) for k in ("height", "width"))
-    return SizeRule(size_multiple(model) or 1, fam.max_pixels, h, w, fam.max_references)
+    ignored = tuple(fam.ignored_columns(true_cfg_scales(cfg)).items())  # row columns its pipeline would not see
+    return SizeRule(size_multiple(model) or 1, fam.max_pixels, h, w, fam.max_references, ignored)
 
 
 def _check_heads(config: dict, tp: int, what: str, keys: tuple[str, ...], sharded: bool) -> None:

@@ -1,4 +1,5 @@
-"""Checks of `generate.sweep` that need the model's configs (never its weights), at preflight (exit 2).
+"""Checks of `generate.sweep` (and of `model.call_kwargs.true_cfg_scale`) that need the model's configs (never its
+weights), at preflight (exit 2).
 
 The checks that need no model (keys, value types and bounds, repeats, LoRA indices) are in
 launcher/ledger/sweep.py and run with the other settings, in a dry run too.
@@ -19,10 +20,16 @@ LORA_SCALE_SWEEP = False
 
 def check_sweep_model(cfg, model) -> None:
     """Swept sizes against the model's size factor and its family's pixel limit (each combination), and keys
-    the family or this version cannot follow. `model`: launcher/host/model_checks.py's Model."""
+    the family or this version cannot follow (swept, or in model.call_kwargs). `model`: model_checks.Model."""
     from launcher.host.model_checks import size_rule
     from launcher.models import GENERIC
 
+    fam = getattr(model, "family", None) or GENERIC
+    if fam is not GENERIC and not fam.true_cfg and "true_cfg_scale" in (cfg.model.get("call_kwargs") or {}):
+        raise ConfigError(  # Qwen-Image's guidance_scale is its true_cfg_scale; FLUX.2's pipeline takes none
+            f"model.call_kwargs.true_cfg_scale: this model's family ({fam.name}) has no true_cfg_scale apart from "
+            "guidance_scale; use generate.guidance_scale"
+        )
     swept = sweep_of(cfg.generate)
     if not swept:
         return
@@ -34,7 +41,6 @@ def check_sweep_model(cfg, model) -> None:
                 f"re-fusing per scale); set model.loras[{i}].scale and run each scale into its own output.dir"
             )
     if "true_cfg_scale" in swept:
-        fam = model.family or GENERIC
         if not fam.true_cfg:
             raise ConfigError(
                 f"generate.sweep.true_cfg_scale: this model's family ({fam.name}) has no true_cfg_scale apart from "

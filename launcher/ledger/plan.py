@@ -31,7 +31,7 @@ class ShardPlan:
     index: int
     rows: int
     fingerprint: str
-    status: str  # done | failed | pending | stale | grown
+    status: str  # done | failed | pending | stale | grown | damaged (done, but its files differ: verify.py)
     seen: str | None = None  # which attempt's state this plan read (state_token): see Claims.try_claim
 
 
@@ -129,23 +129,42 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
 def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store: Store | None = None) -> Plan:
     """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source).
 
-    `store`: where a refusal of stale shards reads which samples changed."""
+    `store`: where done shards' files are listed (launcher/ledger/verify.py), and where a refusal of stale shards
+    reads which samples changed."""
     from launcher.ledger.sweep import check_sweep_columns
+    from launcher.ledger.verify import listed_damage, say_damage
 
     shards, stale_tables = [], {}
+    damaged = listed_damage(store, states) if store is not None else {}
     for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
         check_sweep_columns(t, cfg)
+        check_row_fields(t, cfg, sizes)
         fp = prompts_fingerprint(t)
         st = states.get(i)
-        shards.append(ShardPlan(i, t.num_rows, fp, shard_status(st, t, whole, fp), state_token(st)))
+        judged = "damaged" if i in damaged else shard_status(st, t, whole, fp)
+        shards.append(ShardPlan(i, t.num_rows, fp, judged, state_token(st)))
         if shards[-1].status == "stale" and len(stale_tables) < stale_mod.SHOWN:
             stale_tables[i] = t
+    say_damage(store, {s.index: damaged[s.index] for s in shards if s.status == "damaged"})
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
     if stale and cfg.run.stale == "error" and selection != "all":
         stale_mod.refuse(cfg, store, stale, stale_tables)
     return Plan(shards, select_shards(status, selection, cfg.run.stale), stale)
+
+
+def check_row_fields(table: pa.Table, cfg, sizes: SizeRule | None) -> None:
+    """Refuse a per-row column that the model's pipeline would ignore: the data would record what no image saw.
+    (One shard's rows; a column empty throughout is no column.)"""
+    import pyarrow.compute as pc
+
+    for column, why in sizes.ignored if sizes else ():
+        if column in table.schema.names and table.column(column).null_count < table.num_rows:
+            first = table.column("id")[pc.index(pc.is_valid(table.column(column)), True).as_py()].as_py()
+            raise ConfigError(
+                f"dataset {cfg.dataset.path}: column {column!r} is set (first at id {first!r}), but {why}"
+            )
 
 
 def plan_rel(run_id: str) -> str:
@@ -175,22 +194,30 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
                 break
 
 
-def tidy(store: Store) -> None:
-    """At the end of a run that no other live run shares the folder with: the plan files and claims that killed
-    runs left (kill -9 skips their removal), and the empty claims/ and plans/ folders of a finished one."""
+def tidy(store: Store, lock) -> None:
+    """At the end of a run that still holds its `lock` (launcher/ledger/lock.py's RunLock; one taken over looked
+    dead itself, and judges nobody): the plan files and claims of runs that hold no lock (kill -9 skips their
+    removal), its own plan included, and the claims/ and plans/ folders once empty. Each file is judged by its own
+    run's lock, so live runs of other workers keep theirs."""
     import os
 
     from launcher.ledger.claims import forget_dead
+    from launcher.ledger.lock import live_run_ids
     from launcher.ledger.states import CLAIMS_DIR
 
-    for info in store.files(PLANS_DIR, ".arrow"):
-        store.delete(f"{PLANS_DIR}/{info.base_name}")
+    if not lock.held():
+        return
+    plans = store.files(PLANS_DIR, ".arrow")  # before the locks are read: a run takes its lock before its plan
+    live = live_run_ids(store) - {lock.run_id}
+    for info in plans:
+        if info.base_name.removesuffix(".arrow") not in live:
+            store.delete(f"{PLANS_DIR}/{info.base_name}")
     forget_dead(store)
     if store.is_local:  # an object store has no folders
         for name in (PLANS_DIR, CLAIMS_DIR):
             try:
                 os.rmdir(store.local(name))
-            except OSError:  # not empty (claims of shards), or not there
+            except OSError:  # not empty (claims of shards, a live run's plan), or not there
                 pass
 
 

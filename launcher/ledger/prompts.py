@@ -60,6 +60,8 @@ class SizeRule:
     height: int  # the config's, for rows that set only one of the two
     width: int
     max_references: int = 0  # job=edit: references a row may give (the family's), checked at planning
+    # (column, why): per-row columns the family's pipeline would not see, refused at planning (launcher/ledger/plan.py)
+    ignored: tuple[tuple[str, str], ...] = ()
 
     def problem(self, h: int, w: int) -> str | None:
         for key, v in (("height", h), ("width", w)):

@@ -13,12 +13,11 @@ import itertools
 import math
 
 from launcher.errors import ConfigError
+from launcher.ledger.bounds import LORA_SCALE, NUMBERS
 
 KEYS = ("guidance_scale", "num_inference_steps", "height", "width", "true_cfg_scale")  # and lora_scale.<i>
 INT_KEYS = ("num_inference_steps", "height", "width")
 LORA_PREFIX = "lora_scale."
-# The bounds of a per-row value (DESIGN.md), which a swept value meets as well.
-BOUNDS = {"num_inference_steps": (1, 1000), "guidance_scale": (0, 100), "true_cfg_scale": (0, 100)}
 
 
 def raw_sweep(gen):
@@ -53,6 +52,13 @@ def variants(gen) -> list[dict]:
 def n_variants(gen) -> int:
     """V: samples per base id (1 without a sweep)."""
     return math.prod(len(v) for v in sweep_of(gen).values())
+
+
+def true_cfg_scales(cfg) -> list[float]:
+    """The true_cfg_scale values the pipeline is called with (swept, else model.call_kwargs'); [] where unset."""
+    swept = sweep_of(cfg.generate).get("true_cfg_scale")
+    value = (cfg.model.get("call_kwargs") or {}).get("true_cfg_scale")
+    return [float(v) for v in swept] if swept else [] if value is None else [float(value)]
 
 
 def lora_index(key: str) -> int | None:
@@ -99,16 +105,14 @@ def _problem(key: str, v) -> str | None:
     if key in INT_KEYS:
         if isinstance(v, float) and not v.is_integer():
             return "is not a whole number"
-        low, high = BOUNDS.get(key, (1, None))
+        low, high = NUMBERS.get(key, (1, None))  # sizes: the family's pixel limit is checked with the model
         if v < low or (high is not None and v > high):
-            return f"must be in {low}..{high}" if high else f"must be at least {low}"
+            return f"must be in {low}..{high:g}" if high else f"must be at least {low}"
         return None
     if not math.isfinite(v):
         return "is not a finite number"
-    low, high = BOUNDS.get(key, (None, None))
-    if low is not None and not low <= v <= high:
-        return f"must be in {low}..{high}"
-    return None
+    low, high = LORA_SCALE if lora_index(key) is not None else NUMBERS.get(key, (-math.inf, math.inf))
+    return None if low <= v <= high else f"must be in {low:g}..{high:g}"
 
 
 def check_sweep_columns(table, cfg) -> None:

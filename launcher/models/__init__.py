@@ -32,6 +32,11 @@ def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:
     return None if tokenizer is None else tokenizer(prompts)["input_ids"]
 
 
+# The prompt source's per-row columns (launcher/ledger/prompts.py's OVERRIDE_COLUMNS), each a pipeline argument:
+# `seed` is the generator's, the others are the arguments of the same names.
+ROW_FIELDS = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -61,6 +66,19 @@ class Family:
     max_references: int = 0
     # packages beyond the base dependencies that its real checkpoint needs to load (in the cuda and tpu extras)
     requires: tuple[str, ...] = ()
+    # The row columns its pipeline's __call__ takes (tests/test_integrity_values.py holds them to the signature): a
+    # column outside them is refused at planning with `row_hint`, else the data would record what no image saw.
+    row_fields: tuple[str, ...] = ROW_FIELDS
+    row_hint: str = ""  # why such a column is ignored and what to do instead, in this family's words
+
+    def ignored_columns(self, true_cfg_scales: list[float]) -> dict[str, str]:
+        """column -> why this family's pipeline would not see it. `true_cfg_scales`: the values of true_cfg_scale
+        the run calls the pipeline with ([] where none is set); a true-CFG family (`true_cfg`) uses a negative
+        prompt only where it is above 1, as FluxPipeline does."""
+        out = {c: self.row_hint for c in ROW_FIELDS if c not in self.row_fields}
+        if self.true_cfg and "negative_prompt" in self.row_fields and not any(s > 1 for s in true_cfg_scales):
+            out["negative_prompt"] = self.row_hint
+        return out
 
 
 GENERIC = Family("generic")

@@ -113,4 +113,6 @@ FAMILY = Family(
     build_tiny=build_tiny,
     tp_text_encoder=False,
     true_cfg=True,  # FluxPipeline's true_cfg_scale: real CFG with a negative prompt, beside the distilled guidance
+    row_hint="FLUX.1 uses a negative prompt only with true CFG: set model.call_kwargs.true_cfg_scale above 1 "
+    "(e.g. 4.0) or generate.sweep.true_cfg_scale, or drop the column",
 )

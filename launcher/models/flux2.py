@@ -174,4 +174,7 @@ FAMILY = Family(
     tp_text_encoder=True,
     max_references=10,  # `image=` takes a list; BFL documents up to 10 references for FLUX.2 [dev]
     requires=("torchvision",),  # its tokenizer is a PixtralProcessor (transformers 5.23)
+    row_fields=("seed", "height", "width", "num_inference_steps", "guidance_scale"),
+    row_hint="FLUX.2 takes no negative prompt (guidance is distilled into the model); drop the column, or use a "
+    "family that takes one: FLUX.1 with true_cfg_scale, SD3, Qwen-Image",
 )

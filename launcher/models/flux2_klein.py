@@ -100,4 +100,7 @@ FAMILY = Family(
     build_tiny=build_tiny,
     tp_text_encoder=True,
     max_references=4,  # Flux2KleinPipeline takes `image=` (a list) as FLUX.2 does; BFL documents up to 4
+    row_fields=("seed", "height", "width", "num_inference_steps", "guidance_scale"),
+    row_hint="FLUX.2 [klein] takes no negative prompt (its guidance is against an empty prompt, always); drop the "
+    "column, or use a family that takes one: SD3, Qwen-Image, FLUX.1 with true_cfg_scale",
 )

@@ -97,10 +97,13 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
     state_dict, alphas, metadata = read_state_dict(pipeline_class, file)
     models = skeletons(path, components_in(state_dict))
     out: Factors = {}
+    named: dict[str, str] = {}  # each key's module, as `<component>.<module>` (after the loaders' conversions)
     for name in components_in(state_dict):
         model = models.get(name)
         if model is None:
             continue
+        values = _text_encoder_values(state_dict, name, model) if not hasattr(model, "load_lora_adapter") else {}
+        named |= {f"{name}.{k}": f"{name}.{_module(k)}" for k in values or _peft_keys(state_dict, name)}
         try:
             with _adapters_stay_put(), _quiet():
                 if hasattr(model, "load_lora_adapter"):  # a diffusers model
@@ -132,7 +135,6 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
                 continue  # no module of this component matches: judged over all components below
             raise LoraError(f"diffusers cannot read its {name} keys ({first})") from None
         layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer) and "meshgen" in m.lora_A}
-        values = _text_encoder_values(state_dict, name, model) if not hasattr(model, "load_lora_adapter") else {}
         for n, m in layers.items():
             if m.use_dora.get("meshgen") or m.lora_bias.get("meshgen") or not isinstance(m.base_layer, torch.nn.Linear):
                 raise LoraError(f"{name}.{n} is not a plain LoRA on a linear layer (DoRA, lora bias or another layer)")
@@ -152,7 +154,46 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
             "none of its keys matches a module of the model (components it names: "
             f"{', '.join(components_in(state_dict)) or 'none'})"
         )
+    matched = {f"{c}.{n}" for c, modules in out.items() for n in modules}
+    # Keys of a component the model lacks keep their own names; those of its components, the loaders' names.
+    keys = [k for k in state_dict if k.split(".", 1)[0] not in models] + list(named)
+    unmatched = [k for k in keys if named.get(k, k) not in matched]
+    if unmatched:
+        raise LoraError(
+            f"{len(unmatched)} of its {len(keys)} keys match no layer of the model "
+            f"({', '.join(unmatched[:5])}{', ...' if len(unmatched) > 5 else ''}); a misspelt prefix fuses the "
+            "LoRA only in part"
+        )
     return out
+
+
+def _peft_keys(state_dict: dict, prefix: str) -> list[str]:
+    """A diffusers model's keys as its `load_lora_adapter` names them (prefix off, PEFT's names)."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    sd = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+    return list(convert_unet_state_dict_to_peft(sd) if sd and "lora_A" not in next(iter(sd)) else sd)
+
+
+def _module(key: str) -> str:
+    """`x.y.lora_A.weight` -> `x.y`, `x.y.alpha` -> `x.y`."""
+    return key.split(".lora_", 1)[0] if ".lora_" in key else key.rsplit(".", 1)[0]
+
+
+def non_finite(file: Path) -> tuple[str, int, int] | None:
+    """(the first tensor's key, its count of NaN and inf values, the file's count) where the file holds any; the
+    tensors read on CPU one at a time (a LoRA is small, and floats it holds only in its own keys)."""
+    from safetensors import safe_open
+
+    first, total = None, 0
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            t = f.get_tensor(key)
+            n = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+            if n and first is None:
+                first = (key, n)
+            total += n
+    return None if first is None else (*first, total)
 
 
 def _text_encoder_values(state_dict: dict, prefix: str, model) -> dict:
