@@ -1,10 +1,11 @@
 """One self-contained HTML page about a run folder: `python tools/report.py OUTPUT_DIR [--out PATH]`.
 
 The summary with the terminal's own figures (images/s over each run's wall time), the runs with their exit codes
-and commands, the failed shards with their error's last line and the command that reruns them, a plot of each
-shard's throughput (one line per run: no line across the idle time between runs), a contact sheet and a table
-of the shards, all in one file with no external references (the plot is inline SVG, the sheet a data: URL), so
-it can be mailed or attached to an issue. Reads only the run folder; default output OUTPUT_DIR/report.html.
+and commands, the failed and damaged shards (as tools/status.py finds them) with their error's last line and the
+command that reruns them, a plot of each shard's throughput (one line per run: no line across the idle time
+between runs), a contact sheet and a table of the shards, all in one file with no external references (the plot
+is inline SVG, the sheet a data: URL), so it can be mailed or attached to an issue. Reads only the run folder;
+default output OUTPUT_DIR/report.html.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from pathlib import Path
 from contact_sheet import contact_sheet, png_bytes
 from status import rerun_command
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, error_line
 from launcher.host.card import open_run, summarize, write_output
 from launcher.ledger.runs import read_records
-from launcher.ledger.states import read_state
+from launcher.ledger.states import Ledger, read_state
+from launcher.ledger.verify import listed_damage
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
-td.text,th{text-align:left}tr.failed{background:#fde8e8}tr.pending{color:#888}
+td.text,th{text-align:left}tr.failed,tr.damaged{background:#fde8e8}tr.pending{color:#888}
 .error{font-family:monospace;font-size:12px;max-width:480px;overflow-wrap:anywhere}"""
 
 
@@ -121,7 +123,9 @@ def run_rows(records: list[dict]) -> list[str]:
 
 def last_line(store, shard: dict) -> str:
     """The error's last line: the exception's own message, where the first line may be a wrapper's (the traceback
-    is in the state file itself; the ledger's index keeps only the first line)."""
+    is in the state file itself; the ledger's index keeps only the first line). A damaged shard: what is wrong."""
+    if shard["status"] == "damaged":
+        return shard["error"]
     state = read_state(store, shard["index"]) or {}
     lines = [ln for ln in (state.get("traceback") or shard["error"]).strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else ""
@@ -129,8 +133,11 @@ def last_line(store, shard: dict) -> str:
 
 def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
     store = open_run(out)
-    summary = summarize(store)
+    ledger = Ledger(store)
+    states = ledger.refresh()
+    summary = summarize(store, states)
     meta, counts, shards = summary["meta"], summary["counts"], summary["shards"]
+    mark_damaged(shards, counts, ledger, listed_damage(store, states))
     records = read_records(store)
     cfg = meta["config"]
     stage_totals: dict[str, float] = {}
@@ -143,7 +150,11 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
         ("license", cfg["model"].get("license") or "not stated"),
         ("settings", ", ".join(f"{k}={v}" for k, v in meta["settings"]["generate"].items())),
         ("mesh", f"dp={cfg['mesh']['dp']} x tp={cfg['mesh']['tp']} on {cfg['device']}"),
-        ("shards", f"{len(shards)}: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"),
+        (
+            "shards",
+            f"{len(shards)}: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"
+            + (f", {counts['damaged']} damaged" if counts["damaged"] else ""),
+        ),
         ("images", summary["images"]),
         ("runs", f"{len(records)}, exit codes {' '.join(str(r.get('exit_code')) for r in records)}" if records else ""),
         *wall_facts(records),
@@ -156,7 +167,7 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
         sheet_html = f'<img alt="the first {n} samples" src="data:image/png;base64,{sheet}">'
     except ValueError as e:
         sheet_html = f"<p>{escape(str(e))}</p>"
-    failed = [s for s in shards if s["status"] == "failed"]
+    failed = [s for s in shards if s["status"] in ("failed", "damaged")]
     info = {"shards": {str(s["index"]): s["status"] for s in shards}, "conf": cfg["name"]}
     info["command"] = records[-1].get("command") if records else None
     rerun = rerun_command(str(out), info) if failed else ""
@@ -210,6 +221,16 @@ def wall_facts(records: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def mark_damaged(shards: list[dict], counts: dict, ledger: Ledger, files: dict[int, str]) -> None:
+    """Shards whose state file is damaged, or whose files differ from their state, as status shows them."""
+    why = {i: f"its files differ from its state: {w}" for i, w in files.items()}
+    why.update((i, f"its state file is damaged: {w}") for i, w in ledger.damaged.items())
+    for s in shards:
+        if s["index"] in why:
+            s["status"], s["error"] = "damaged", why[s["index"]]
+    counts.update({k: sum(s["status"] == k for s in shards) for k in ("done", "failed", "pending", "damaged")})
+
+
 def failed_section(store, failed: list[dict], rerun: str) -> list[str]:
     if not failed:
         return []
@@ -218,7 +239,7 @@ def failed_section(store, failed: list[dict], rerun: str) -> list[str]:
         for s in failed
     ]
     return [
-        "<h2>Failed shards</h2>",
+        "<h2>Failed and damaged shards</h2>",
         '<table class="failures"><thead><tr><th>shard</th><th>error (last line)</th></tr></thead><tbody>',
         *rows,
         "</tbody></table>",
@@ -234,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = report_html(args.output_dir)
     except (FileNotFoundError, NotImplementedError, ConfigError) as e:  # ConfigError: credentials in the address
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     print(write_output(args.output_dir, "report.html", page.encode(), args.out))
     return 0

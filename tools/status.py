@@ -1,7 +1,10 @@
-"""Per-shard status of a run folder: `python tools/status.py OUTPUT_DIR [--json]`.
+"""Per-shard status of a run folder: `python tools/status.py OUTPUT_DIR [--json] [--verify]`.
 
 Reads only the run folder (run.json, the newest run record, and state/ through its index: one listing of
 state/ plus reads of what the index does not know), so it works while a run is going, after it, or on a copy.
+A done shard whose files are missing or of another size than its state recorded is damaged (one recursive
+listing of each output folder, as a rerun makes); with --verify, also one whose files' sha256 differ (every done
+file read whole).
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ import json
 import shlex
 import sys
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, error_line
 from launcher.ledger.runs import latest_record
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
+from launcher.ledger.verify import hash_damage, listed_damage
 
 STATUSES = ("done", "failed", "pending", "damaged")
 
 
-def collect(out: str) -> dict:
+def collect(out: str, verify: bool = False) -> dict:
     store = Store(out)
     try:
         run = store.read_json("run.json")
@@ -34,11 +38,19 @@ def collect(out: str) -> dict:
         last = latest_record(store) or {}
     except ValueError:  # a run record cut short: the command to rerun falls back to the conf's
         last = {}
+    files = listed_damage(store, states)  # after the states: a shard done since has its files listed
+    if verify:
+        files.update(hash_damage(store, {i: st for i, st in states.items() if i not in files}))
     for i in range(max(run["shards"], last.get("shards", 0))):
         st = states.get(i, {})
-        shards[str(i)] = "damaged" if i in ledger.damaged else st.get("status", "pending")
-        if shards[str(i)] in ("failed", "damaged"):
-            errors[str(i)] = st.get("error", "") or f"its state file is damaged: {ledger.damaged.get(i)}"
+        damaged = i in ledger.damaged or i in files
+        shards[str(i)] = "damaged" if damaged else st.get("status", "pending")
+        if i in ledger.damaged:
+            errors[str(i)] = f"its state file is damaged: {ledger.damaged[i]}"
+        elif i in files:
+            errors[str(i)] = f"its files differ from its state: {files[i]}"
+        elif shards[str(i)] == "failed":
+            errors[str(i)] = st.get("error", "")
     counts = {k: sum(v == k for v in shards.values()) for k in STATUSES}
     return {
         **counts,
@@ -64,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("output_dir", help="the run folder: a local path, gs://... or s3://...")
     parser.add_argument("--json", action="store_true", help="print the counts and per-shard status as JSON")
+    parser.add_argument("--verify", action="store_true", help="also read every done file and check its sha256")
     args = parser.parse_args(argv)
     try:
-        info = collect(args.output_dir)
+        info = collect(args.output_dir, args.verify)
     except (ConfigError, OSError) as e:  # not a run folder, or a store that does not answer
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({k: info[k] for k in (*STATUSES, "shards")}))

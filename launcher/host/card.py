@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, error_line
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
 
@@ -67,6 +67,7 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
                 "finished_at": finished,
                 "stages": stage_seconds(st),
                 "data_bytes": st.get("data_bytes"),
+                "parquet_size": (st.get("files") or {}).get(f"{DATA_DIR}/{shard_name(index)}.parquet", [None])[0],
                 "run_id": st.get("run_id"),
             }
         )
@@ -97,14 +98,16 @@ def data_files(run: Store, summary: dict) -> tuple[list[str], list[str], dict]:
     A glob when every file belongs to a done shard, so the card stays short for big runs; otherwise the done
     shards' files by name, since a file whose shard is not done (an earlier attempt) is not vouched for.
     """
-    done = {f"{shard_name(s['index'])}.parquet" for s in summary["shards"] if s["status"] == "done"}
     listing = run.files(DATA_DIR, ".parquet")
     present = [f"{DATA_DIR}/{i.base_name}" for i in listing]
-    files = [f for f in present if f.split("/")[-1] in done]
     sizes = {i.base_name: i.size for i in listing}
+    # A done shard whose Parquet has another size than its state recorded is damaged (launcher/ledger/verify.py):
+    # not vouched for, and its footer may not even read.
+    by_file = {f"{shard_name(s['index'])}.parquet": s for s in summary["shards"] if s["status"] == "done"}
+    by_file = {f: s for f, s in by_file.items() if s.get("parquet_size") in (None, sizes.get(f))}
+    files = [f for f in present if f.split("/")[-1] in by_file]
     # From the states and the listing, not a read per Parquet file (40k shards would cost 40k requests): each
     # state keeps its data's uncompressed size (states of older runs do not: their file's size stands in).
-    by_file = {f"{shard_name(s['index'])}.parquet": s for s in summary["shards"] if s["status"] == "done"}
     download = sum(sizes[f.split("/")[-1]] for f in files)
     num_bytes = sum(by_file[f.split("/")[-1]].get("data_bytes") or sizes[f.split("/")[-1]] for f in files)
     rows = sum(s["rows"] or 0 for s in by_file.values())
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(write_card(args.output_dir))
     except (FileNotFoundError, NotImplementedError, ConfigError) as e:  # ConfigError: credentials in the address
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     return 0
 

@@ -21,7 +21,7 @@ from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.ledger.claims import held_elsewhere
 from launcher.ledger.plan import Plan
 from launcher.ledger.runs import versions
-from launcher.ledger.states import Ledger
+from launcher.ledger.states import Ledger, state_token
 from launcher.ledger.store import Store
 
 logger = logging.getLogger(__name__)
@@ -112,15 +112,19 @@ def summarize(
     states = ledger.refresh()  # one listing; only this run's new state files are read
     status = {s.index: _status(states.get(s.index), s) for s in plan.shards}
     ran = {i: st for i, st in states.items() if st.get("run_id") == run_id}
+    repaired = sorted(s.index for s in plan.shards if s.status == "damaged" and status[s.index] == "done")
     images = sum(st["rows"] for st in ran.values() if st["status"] == "done")
-    wall = time.time() - start
+    wall = time.monotonic() - start  # `start`: time.monotonic() at the launch; the wall clock may step mid-run
+    end = time.time()
     stages: dict[str, float] = {}
     for st in ran.values():
         for k, v in st.get("stages", {}).items():
             stages[k] = round(stages.get(k, 0.0) + v, 3)
     truncated = sum(st.get("truncated") or 0 for st in ran.values() if st["status"] == "done")
     began = [st["started_at"] for st in ran.values() if st.get("started_at")]
-    startup = round(min(began) - start, 2) if began else None  # launch, imports, model load: no shard's time
+    # Launch, imports, model load: no shard's time. The workers' own clock says when a shard began; held within
+    # the run's duration, which a step of the wall clock between the two readings would put it out of.
+    startup = round(min(max(min(began) - (end - wall), 0.0), wall), 2) if began else None
     open_ = [i for i in plan.selected if status[i] != "done"]
     elsewhere = {i: w for i in open_ if (w := held_elsewhere(store, i, run_id)) is not None}
     failed = [i for i in open_ if status[i] == "failed" and i not in elsewhere]
@@ -128,10 +132,11 @@ def summarize(
     if exit_code in (EXIT_OK, EXIT_SHARDS_FAILED):
         exit_code = EXIT_SHARDS_FAILED if failed or pending else EXIT_OK
     counts = {k: sum(v == k for v in status.values()) for k in ("done", "failed", "pending", "stale")}
+    damaged = sum(v == "damaged" for v in status.values())  # judged damaged by the plan and not generated since
     record = {
         "run_id": run_id,
-        "start": _iso(start),
-        "end": _iso(time.time()),
+        "start": _iso(end - wall),
+        "end": _iso(end),
         "exit_code": exit_code,
         "command": rerun,
         "shards": len(plan.shards),
@@ -149,15 +154,20 @@ def summarize(
         "code": code_version(),
         "versions": versions(),
     }
+    if any(s.status == "damaged" for s in plan.shards):  # files that differed from their states: verify.py
+        record.update(damaged=damaged, damaged_regenerated=repaired)
     lines = [
         f"shards: {counts['done']} done, {counts['failed']} failed, {counts['pending']} pending"
-        + (f", {counts['stale']} stale (kept)" if counts["stale"] else ""),
+        + (f", {counts['stale']} stale (kept)" if counts["stale"] else "")
+        + (f", {damaged} damaged" if damaged else ""),
         f"this run: {images} images from {len(ran)} shards in {wall:.1f} s ({record['images_per_s']} images/s)",
         "time per stage (s, summed over shards): "
         + ", ".join(f"{k} {v}" for k, v in stages.items())
         + (f"; start-up {startup} s (launch to the first shard: imports, model load)" if startup is not None else ""),
         f"outputs: {store}",
     ]
+    if repaired:
+        lines.append(f"{len(repaired)} damaged shards regenerated: {_short(repaired)}")
     if truncated:
         lines.append(f"{truncated} prompts were longer than generate.max_sequence_length and were truncated")
     if elsewhere:
@@ -173,6 +183,8 @@ def _status(state: dict | None, shard) -> str:
         return "pending"
     if state.get("status") != "done":
         return "failed"
+    if shard.status == "damaged" and state_token(state) == shard.seen:  # the state whose files were found damaged
+        return "damaged"
     # Done by this run (its fingerprint is the plan's) or judged by the plan before the run started.
     return "done" if state.get("prompts_fingerprint") == shard.fingerprint or shard.status == "done" else shard.status
 

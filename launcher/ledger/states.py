@@ -58,7 +58,9 @@ _FIELDS = {
     "attempt": _STR,
     "error": _STR,
     "stages": {dict, type(None)},
+    "files": {dict, type(None)},  # name -> [size, sha256] (the index keeps [size]): see launcher/ledger/verify.py
 }
+FILE_NAME = re.compile(r"(data|images|webdataset)(/(?!\.\.?(/|$))[^/]+){1,2}/?")  # where a shard's files may be
 
 
 def parse_state(data: bytes) -> tuple[dict | None, str | None]:
@@ -89,6 +91,13 @@ def state_problem(state) -> str | None:
     for v in (get("stages") or {}).values():
         if type(v) is not float and type(v) is not int:
             return "'stages' holds a value that is not a number"
+    for name, e in (get("files") or {}).items():
+        # [size, sha256] in a state file, [size] in the index, and [count, bytes] for a folder there (_slim)
+        sound = type(e) is list and 1 <= len(e) <= 2 and type(e[0]) is int and FILE_NAME.fullmatch(name)
+        if not sound or not (
+            len(e) == 2 and type(e[1]) is int if name.endswith("/") else len(e) == 1 or type(e[1]) is str
+        ):
+            return f"'files' holds {name[:60]!r}: {str(e)[:40]}"
     return None
 
 
@@ -181,8 +190,14 @@ def _index_entries(index) -> dict[int, tuple[tuple, dict]]:
 
 
 def _slim(state: dict) -> dict:
-    """What readers of the ledger use: the traceback stays in the state file only."""
-    return {k: v for k, v in state.items() if k != "traceback"}
+    """What readers of the ledger use: the traceback and the files' hashes stay in the state file only (a rerun
+    checks sizes; the hashes are for tools/status.py --verify, which reads the files anyway)."""
+    slim = {k: v for k, v in state.items() if k != "traceback"}
+    if state.get("files"):
+        from launcher.ledger.verify import index_form  # it imports this module
+
+        slim["files"] = index_form(state["files"])
+    return slim
 
 
 def read_states(store: Store) -> dict[int, dict]:
@@ -202,7 +217,7 @@ def select_shards(status: dict[int, str], spec, stale: str = "error") -> list[in
         return sorted(status)
     if isinstance(spec, list):
         return spec
-    want = {"pending": ("pending", "failed", "grown"), "failed": ("failed",)}[spec]
+    want = {"pending": ("pending", "failed", "grown", "damaged"), "failed": ("failed",)}[spec]
     if stale == "regenerate":
         want = (*want, "stale")
     return sorted(i for i, st in status.items() if st in want)

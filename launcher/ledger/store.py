@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +71,6 @@ class Store:
             self.fs, self.root = open_uri(uri.rstrip("/"))
         self.uri = self.root if self.is_local else uri.rstrip("/")
         self.scheme = "file" if self.is_local else uri.split("://", 1)[0]
-        self._clock_offset: float | None = None
 
     def __str__(self) -> str:
         return self.uri
@@ -123,26 +123,28 @@ class Store:
         return None if info.type == pafs.FileType.NotFound else info.mtime.timestamp()
 
     def now(self) -> float:
-        """The store's clock, as `mtime` reads it: this host's clock plus the offset measured once by writing a
-        probe file and reading its time back. Liveness is judged on the store's clock alone, so hosts whose own
-        clocks disagree (an NTP-less VM, a drifting node) still agree on what is stale."""
-        if self._clock_offset is None:
-            rel = f"locks/.clock-{HOST}-{os.getpid()}"
-            t0 = time.time()
-            self.write_bytes(rel, b"")
-            written = self.mtime(rel)
-            t1 = time.time()
-            self.delete(rel)
-            self._clock_offset = (written - (t0 + t1) / 2) if written is not None else 0.0
-        return time.time() + self._clock_offset
+        """The store's clock now, as `mtime` reads it: the time of a probe file written and read back at each call.
+        Never this host's clock plus an offset measured once: that clock may step (NTP, a resumed VM) mid-run and
+        would age every file at once. Hosts whose own clocks disagree still agree on what is old."""
+        rel = f"locks/.clock-{HOST}-{os.getpid()}-{threading.get_ident()}"
+        self.write_bytes(rel, b"")
+        written = self.mtime(rel)
+        self.delete(rel)
+        if written is None:  # removed under us (a run.overwrite of the folder): nothing better to go by
+            return time.time()
+        return written
 
     def exists(self, rel: str) -> bool:
         return self._call(self.fs.get_file_info, self.path(rel)).type != pafs.FileType.NotFound
 
-    def files(self, rel_dir: str, suffix: str = "") -> list[pafs.FileInfo]:
-        """Files directly under `rel_dir`, by name; temporary files of a live run (hidden names) left out."""
-        infos = self._call(self.fs.get_file_info, pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        keep = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
+    def files(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[pafs.FileInfo]:
+        """Files directly under `rel_dir` (or anywhere below it), by name; temporary files of a live run (hidden
+        names) left out. On an object store a recursive listing is one request per 1,000 files, whatever the depth."""
+        selector = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=recursive)
+        infos, skip = self._call(self.fs.get_file_info, selector), len(selector.base_dir) + 1
+        # A hidden folder's files are a live run's temporary ones too (put_folder's folder before its rename).
+        hidden = (lambda i: "/." in "/" + i.path[skip:]) if recursive else (lambda i: i.base_name.startswith("."))
+        keep = [i for i in infos if i.type == pafs.FileType.File and not hidden(i)]
         return sorted((i for i in keep if i.base_name.endswith(suffix)), key=lambda i: i.base_name)
 
     def parquet(self, rel: str) -> pq.ParquetFile:

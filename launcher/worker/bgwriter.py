@@ -169,9 +169,7 @@ class BackgroundWriter:
             return
         t0 = time.perf_counter()
         job.samples.sort(key=lambda s: job.order[s["id"]])
-        data_bytes = self._process.submit(_write_files, job.name, job.samples).result()
-        if data_bytes is not None:
-            job.state["data_bytes"] = data_bytes
+        job.state.update(self._process.submit(_write_files, job.name, job.samples).result())  # files, data_bytes
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:
@@ -248,7 +246,7 @@ def _stop_encoders() -> None:
         encoders.shutdown(wait=True)
 
 
-def _write_files(name: str, samples: list[dict]) -> int | None:
+def _write_files(name: str, samples: list[dict]) -> dict:
     """In the writer process: encode a shard's images, then write its files (not its state: the caller does)."""
     cfg, encoders = _OUT["cfg"], _OUT["encoders"]
     enc = Encoding.from_config(cfg)

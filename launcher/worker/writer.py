@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import tarfile
@@ -104,19 +105,29 @@ def _sweep_schema(extra: tuple[str, ...]) -> pa.Schema:
     return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
-def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> int | None:
+def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> dict:
     """Write a shard's files. `samples` hold the row fields of SCHEMA, with `encoded` holding the image's bytes
-    in `output.format`. Returns the Parquet data's uncompressed size (what `datasets` calls num_bytes), which
-    the state file keeps so that the dataset card need not read every file's footer.
+    in `output.format`. Returns what the state file keeps of them: `files`, each file's size and sha256, hashed
+    here from the bytes written (launcher/ledger/verify.py checks them), and `data_bytes`, the Parquet data's
+    uncompressed size (what `datasets` calls num_bytes), so that the dataset card need not read every footer.
 
     Each file appears whole or not at all (launcher/ledger/store.py). The caller writes the state file after this.
     """
+    files: dict[str, list] = {}
     data_bytes = None
     ext = EXTENSIONS[output_cfg.format]
     names = [f"{file_stem(s['id'])}.{ext}" for s in samples]
     schema = schema_of(samples)
+
+    def put(rel: str, data: bytes) -> None:
+        store.write_bytes(rel, data)
+        files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
+
     if output_cfg.image_files:
-        store.put_folder(f"{IMAGES_DIR}/{shard_name}", {n: s["encoded"] for n, s in zip(names, samples, strict=True)})
+        folder = f"{IMAGES_DIR}/{shard_name}"
+        images = {n: s["encoded"] for n, s in zip(names, samples, strict=True)}
+        store.put_folder(folder, images)
+        files.update((f"{folder}/{n}", [len(b), hashlib.sha256(b).hexdigest()]) for n, b in images.items())
     if output_cfg.parquet:
         rows = [
             {**{k: s.get(k) for k in schema.names}, "image": {"bytes": s["encoded"], "path": name}}
@@ -127,12 +138,12 @@ def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) 
         # never holds a whole shard (256 megapixel PNGs are ~500 MB).
         table = pa.Table.from_pylist(rows, schema=schema)
         pq.write_table(table, buf, compression="zstd", row_group_size=output_cfg.row_group_size)
-        store.write_bytes(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
+        put(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
         meta = pq.ParquetFile(buf).metadata
         data_bytes = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
     if output_cfg.webdataset:
-        store.write_bytes(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples, ext))
-    return data_bytes
+        put(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples, ext))
+    return {"files": files, **({"data_bytes": data_bytes} if data_bytes is not None else {})}
 
 
 def warm_up() -> None:
