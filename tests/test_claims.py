@@ -172,18 +172,20 @@ def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_pat
     store = Store(str(tmp_path) if where == "disk" else "s3://meshgen-test/tidy")
     store.write_json("state/shard-00001.json", {"status": "done", "attempt": "killed/g00000"})
     assert Claims(store, 0, "killed").try_claim(1, seen="killed/g00000")  # run "killed" holds no lock: dead
-    live = RunLock(store, 3, "live")
+    live, ending = RunLock(store, 3, "live"), RunLock(store, 0, "ending")  # `ending`: the run whose end it is
     live.acquire()
+    ending.acquire()
     try:
         assert Claims(store, 3, "live").try_claim(4)
-        tidy(store)
+        tidy(store, ending)
         left = [f.base_name for i in (1, 4) for f in store.files(f"claims/shard-{i:05d}")]
         assert left == ["g00000.json"] and store.read_json("claims/shard-00004/g00000.json")["run_id"] == "live"
         if where == "disk":
             assert not (tmp_path / "claims" / "shard-00001").exists()
     finally:
         live.release()
-    tidy(store)
+    tidy(store, ending)
+    ending.release()
     assert store.files("claims/shard-00004") == []
     if where == "disk":
         assert not (tmp_path / "claims").exists()

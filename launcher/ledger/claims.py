@@ -119,8 +119,9 @@ def _live(store: Store, claim: dict) -> bool:
 
 def forget_dead(store: Store) -> None:
     """Delete the claims of runs that hold no lock: a run killed after writing a shard's state and before releasing
-    its claim leaves one on a done shard, which no later run claims again, so nobody else would delete it. Only at
-    the end of a run that no other live run shares the folder with: a claim created since is live, and kept."""
+    its claim leaves one on a done shard, which no later run claims again, so nobody else would delete it. Each claim
+    is judged by its own run's lock, so a live run's claims, those created since included, are kept. Only by a run
+    that still holds its own lock (launcher/ledger/plan.py's tidy): one taken over judges nobody."""
     import pyarrow.fs as pafs
 
     shards = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), allow_not_found=True))

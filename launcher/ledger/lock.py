@@ -1,14 +1,16 @@
 """One live run per (output folder, worker index), and how other runs tell whether that run is alive.
 
-The lock's record names its holder: host, pid, run id, start time and a heartbeat that its holder refreshes.
+The lock's record names its holder: host, pid (and the machine's process table it belongs to), run id, start
+time, and a beat counter that its holder increments.
 - On disk the record lives in a file the launcher holds with flock: the kernel drops the lock the moment its
   holder dies, however it dies (kill -9 included), so a stale lock cannot block a later run; whether a run is
   alive is asked of the kernel too (can the lock be taken?), never guessed from a pid.
 - On an object store there is no flock: the lock is an object created with a conditional PUT, rewritten by its
-  holder every HEARTBEAT_S; a lock that the store says was last written more than STALE_S ago, by the store's own
-  clock (LastModified against the store's now, see Store.now), is presumed dead and taken over (write, wait, read
-  back: of two launchers taking over at once, the one whose record is read back wins, the other exits 4). No
-  host's clock is compared with another's: a host running 90 s behind keeps its lock.
+  holder every HEARTBEAT_S; a lock that has not changed for STALE_S, as the watcher's own monotonic clock sees it
+  (launcher/ledger/liveness.py: no wall clock, no two hosts' clocks compared), or whose holder is a dead process of
+  this very machine, is presumed dead and taken over (write, wait, read back: of two launchers taking over at
+  once, the one whose record is read back wins, the other exits 4). A holder that finds its lock taken over (it
+  was frozen, say) stops, and touches nothing that is not its own.
 A refused launch exits 4 and names the holder.
 """
 
@@ -24,6 +26,8 @@ import threading
 import time
 
 from launcher.errors import LockHeld, OutputRefused, unwritable
+from launcher.ledger import liveness
+from launcher.ledger.liveness import PID_SPACE, pid_alive  # noqa: F401 - pid_alive: read from here by states.py
 from launcher.ledger.store import Store
 
 logger = logging.getLogger(__name__)
@@ -43,27 +47,19 @@ def read_lock(store: Store, worker_index: int) -> dict | None:
         return None
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def look(store: Store, worker_index: int) -> tuple[dict | None, bool]:
+    """The lock's record (None: no lock) and whether its holder is alive."""
+    rel = lock_rel(worker_index, store)
+    if store.is_local:  # the kernel knows: the flock is held exactly while its holder lives
+        record = read_lock(store, worker_index)
+        return record, bool(record) and _flock_held(store.local(rel))
+    return liveness.watch(store, rel, STALE_S)
 
 
 def run_alive(store: Store, worker_index: int, run_id: str) -> bool:
     """Whether the run `run_id` of this worker index still holds its lock (so its claims are live)."""
-    rec = read_lock(store, worker_index)
-    return bool(rec) and rec.get("run_id") == run_id and _holder_alive(store, worker_index, rec)
-
-
-def _holder_alive(store: Store, worker_index: int, rec: dict) -> bool:
-    if store.is_local:  # the kernel knows: the flock is held exactly while its holder lives
-        return _flock_held(store.local(lock_rel(worker_index, store)))
-    written = store.mtime(lock_rel(worker_index, store))
-    return written is not None and store.now() - written < STALE_S
+    record, alive = look(store, worker_index)
+    return bool(record) and record.get("run_id") == run_id and alive
 
 
 def _flock_held(path) -> bool:
@@ -80,17 +76,26 @@ def _flock_held(path) -> bool:
     return False
 
 
-def other_live_runs(store: Store, worker_index: int) -> list[dict]:
-    """Lock records of the live runs of other worker indexes on this output folder."""
+def _live_locks(store: Store, but: int | None = None) -> list[dict]:
+    """The lock records of the live runs on this output folder (but worker index `but`), with their worker index."""
     live = []
     for info in store.files("locks"):
-        if not info.base_name.startswith("worker-"):
-            continue
-        index = int(info.base_name[7:12])
-        rec = read_lock(store, index) if index != worker_index else None
-        if rec and _holder_alive(store, index, rec):
-            live.append({**rec, "worker": index})
+        if info.base_name.startswith("worker-") and int(info.base_name[7:12]) != but:
+            index = int(info.base_name[7:12])
+            record, alive = look(store, index)
+            if record and alive:
+                live.append({**record, "worker": index})
     return live
+
+
+def other_live_runs(store: Store, worker_index: int) -> list[dict]:
+    """Lock records of the live runs of other worker indexes on this output folder."""
+    return _live_locks(store, but=worker_index)
+
+
+def live_run_ids(store: Store) -> set[str]:
+    """The run ids of every live run on this output folder, this worker index's included."""
+    return {r.get("run_id") for r in _live_locks(store)}
 
 
 class RunLock:
@@ -101,7 +106,9 @@ class RunLock:
             "pid": os.getpid(),
             "run_id": run_id,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "pid_space": PID_SPACE,
         }
+        self._beats = 0  # each write differs from the last: what a watcher sees change
         self._fd: int | None = None
         self._stop = threading.Event()
 
@@ -113,7 +120,8 @@ class RunLock:
         )
 
     def _payload(self) -> bytes:
-        return json.dumps({**self.record, "heartbeat": time.time()}).encode()
+        self._beats += 1
+        return json.dumps({**self.record, "beat": self._beats}).encode()
 
     def acquire(self) -> None:
         try:
@@ -144,8 +152,8 @@ class RunLock:
             self._fd = fd
             self._write()
         elif not self.store.create_exclusive(self.rel, self._payload()):
-            holder = read_lock(self.store, self.index)
-            if holder and _holder_alive(self.store, self.index, holder):
+            holder, alive = look(self.store, self.index)
+            if holder and alive:
                 raise self._refused(holder)
             self._write()  # take over a dead holder's lock, then make sure no other launcher did the same
             time.sleep(2)
@@ -175,6 +183,20 @@ class RunLock:
                 self._write()
             except Exception as e:  # a transient store error: try again at the next beat
                 logger.warning("could not refresh the lock %s: %s", self.rel, str(e).splitlines()[0][:200])
+
+    @property
+    def run_id(self) -> str:
+        return self.record["run_id"]
+
+    def held(self) -> bool:
+        """Whether this run still holds its lock: on an object store another launcher may have taken it over (this
+        one looked dead: frozen, or cut off from the store, for STALE_S). A store that does not answer: not held."""
+        if self._fd is not None:
+            return True
+        try:
+            return (read_lock(self.store, self.index) or {}).get("run_id") == self.run_id
+        except OSError:
+            return False
 
     def release(self) -> None:
         self._stop.set()
