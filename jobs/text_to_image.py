@@ -45,8 +45,14 @@ class Batch:
     def settings(self) -> dict:
         return {**dict(zip(SETTINGS, self.shape, strict=True)), **self.extra}
 
+    def image_ids(self) -> list[str]:
+        """The sample id of each real image, in the pipeline's order (prompt-major)."""
+        ids = [sid for row in self.rows[: self.n_real] for sid in sample_ids(row["id"], self.images_per_prompt)]
+        return ids if self.variant is None else [f"{sid}@{self.variant}" for sid in ids]
+
     def samples(self, images) -> list[dict]:
         """One sample dict per real image: row fields, settings, seed and `pixels` (uint8 HxWx3)."""
+        check_finite(self, images, "vae")  # the pipeline's images: what its VAE decoded
         n, v, out = self.images_per_prompt, self.variant, []
         for i, row in enumerate(self.rows[: self.n_real]):
             for k, sid in enumerate(sample_ids(row["id"], n)):
@@ -63,6 +69,33 @@ class Batch:
                 # The size the image really has, whatever was asked for (a pipeline may round it).
                 out.append({**sample, **self.settings, "height": pixels.shape[0], "width": pixels.shape[1]})
         return out
+
+
+class NonFiniteOutput(ValueError):
+    """A model gave NaN or infinite values for some samples: their images would be black or noise."""
+
+
+def check_finite(batch: Batch, values, component: str) -> None:
+    """Raise NonFiniteOutput naming the samples whose `values` (one per image, the pipeline's order; a torch tensor
+    on the chip or a numpy array) are not all finite, and `component`, the model that produced them.
+
+    Once cast to uint8 a NaN is a black pixel and nothing downstream can tell, so a shard of them would be `done`.
+    """
+    real = len(batch.image_ids())
+    if isinstance(values, torch.Tensor):  # one reduction on the chip; only the per-sample flags cross
+        ok = torch.isfinite(values[:real].reshape(real, -1)).all(1).tolist()
+    else:
+        import numpy as np
+
+        ok = np.isfinite(np.asarray(values[:real]).reshape(real, -1)).all(1).tolist()
+    bad = [sid for sid, fine in zip(batch.image_ids(), ok, strict=True) if not fine]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise NonFiniteOutput(
+            f"the {component} gave non-finite values (NaN or inf) for sample {', '.join(map(repr, bad[:5]))}{more} "
+            f"({len(bad)} of {real} in the batch), which would be saved as black images; an overflow in float16 is "
+            "the usual cause (model.dtype=bfloat16 or float32 avoids it), else the model's weights"
+        )
 
 
 def make_batches(rows, gen, lora_scales: tuple = ()) -> list[Batch]:

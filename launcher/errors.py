@@ -24,6 +24,14 @@ class LockHeld(Exception):
     exit_code = EXIT_LOCKED
 
 
+def error_line(e: BaseException) -> str:
+    """The one line a refusal prints: `error: ...`, with any credentials in an address masked (a library's message
+    may quote an address, or an endpoint from the environment, whole)."""
+    from launcher.ledger.addresses import masked  # here: launcher.ledger imports this module
+
+    return f"error: {masked(str(e))}"
+
+
 def out_of_space(e: BaseException) -> bool:
     """A write refused for want of room: a full disk (ENOSPC), a quota (EDQUOT), or an object store's quota."""
     import errno

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, error_line
 from launcher.host.card import open_run, shard_name, summarize, write_output
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR
 from launcher.ledger.store import Store
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sheet = contact_sheet(args.output_dir, args.n, args.cols)
     except (FileNotFoundError, NotImplementedError, ValueError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     print(write_output(args.output_dir, "contact_sheet.png", png_bytes(sheet), args.out))
     return 0

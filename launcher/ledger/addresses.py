@@ -1,4 +1,5 @@
-"""Credentials inside an address (`s3://KEY:SECRET@bucket/run`, `https://user:pw@host/...`) are refused.
+"""Credentials inside an address (`s3://KEY:SECRET@bucket/run`, `s3://b/run?secret_key=...`, `https://user:pw@host/`,
+a presigned URL's `X-Amz-Signature=...`) are refused, in the config and in the environment's S3 endpoints.
 
 pyarrow would accept them, and then the secret would be everywhere an address goes: run.json, every run's
 record, the terminal, the workers' logs, the dataset card, the rerun command that status.py prints. Removing
@@ -22,13 +23,52 @@ WHERE = (
 )
 
 
+# A query parameter that carries a credential: pyarrow takes `access_key`/`secret_key` in an s3:// address, and
+# presigned URLs carry X-Amz-* / X-Goog-* signatures. Its value runs to the next '&', '#', quote or space.
+_QUERY_SECRET = re.compile(
+    r"(?i)(?P<key>[?&;](?:access_key|secret_key|secret_access_key|session_token|security_token|token|"
+    r"access_token|api_key|apikey|key|sig|signature|password|passwd|pwd|credential|"
+    r"x-amz-credential|x-amz-signature|x-amz-security-token|x-goog-credential|x-goog-signature)=)"
+    r"(?P<value>[^&#\s'\"]+)"
+)
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+ENDPOINTS = re.compile(r"AWS_ENDPOINT_URL\w*")  # the environment's endpoints for S3 clients (pyarrow, boto3)
+
+
 def masked(text: str) -> str:
-    """`text` with the user information of every address in it replaced by `***`."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+    """`text` with every address's user information and credential query values replaced by `***`, and the user
+    information of any address in the environment (an endpoint) wherever it appears: a library's message may
+    quote only the host it could not resolve, and that may be a user name."""
+    text = _QUERY_SECRET.sub(lambda m: f"{m['key']}***", _USERINFO.sub(lambda m: f"{m['scheme']}***@", text))
+    for part in _environment_userinfo():
+        text = text.replace(part, "***")
+    return text
+
+
+def _environment_userinfo() -> set[str]:
+    """The user names and passwords inside the addresses that environment variables hold (3 characters or more:
+    shorter ones would mask parts of ordinary words)."""
+    import os
+
+    parts = set()
+    for value in os.environ.values():
+        for m in _USERINFO.finditer(value):
+            parts.update(p for p in m["userinfo"].split(":") if len(p) >= 3)
+    return parts
 
 
 def has_credentials(text: str) -> bool:
-    return bool(_USERINFO.search(text))
+    return bool(_USERINFO.search(text)) or any(_QUERY_SECRET.search(u) for u in _URL.findall(text))
+
+
+def check_environment() -> None:
+    """Refuse an S3 endpoint from the environment that carries credentials (SigV4 never reads them there: pyarrow
+    then takes the user name for the host), naming the variable, its value masked."""
+    import os
+
+    for name, value in sorted(os.environ.items()):
+        if ENDPOINTS.fullmatch(name):
+            check_address(value, name)
 
 
 def check_address(address: str, what: str = "") -> None:
@@ -39,8 +79,12 @@ def check_address(address: str, what: str = "") -> None:
 
 
 def check_config(cfg, prefix: str = "") -> None:
-    """Refuse any address with credentials anywhere in the composed config, naming its key."""
+    """Refuse any address with credentials anywhere in the composed config, naming its key (and, at the top, in
+    the environment's S3 endpoints)."""
     from omegaconf import DictConfig, ListConfig
+
+    if not prefix:
+        check_environment()
 
     items = cfg.items_ex(resolve=False) if isinstance(cfg, DictConfig) else enumerate(cfg)
     for key, value in items:

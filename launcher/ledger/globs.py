@@ -3,8 +3,9 @@
 - `*`, `?` and `[...]` match within one folder's names, never across `/`; names starting with `.` are matched only
   by a pattern part that starts with `.` (as `glob` does);
 - `**` as a whole part matches zero or more folders, and only there: `dir/*/*.txt` does not reach `dir/a/b/x.txt`;
-- each real file is listed once: on local disk two paths to one file (a link beside its target) give the first
-  path in sorted order only;
+- each file is listed once, under the first of its paths in sorted order: on local disk two paths with one
+  (st_dev, st_ino) are one file (a symlink beside its target, a hard link, a folder bind-mounted inside itself:
+  each once made every prompt twice); on an object store, two objects with one size, time and ETag;
 - a folder link back to a folder it is inside is a loop that `**` would follow forever (a link to a parent under
   `dir/**/*.txt` once made 41 samples from 1 prompt): it is refused, naming the link.
 
@@ -15,6 +16,7 @@ fnmatch alone is not enough: it lets `*` cross `/`, and a recursive listing foll
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from collections.abc import Iterator
 
@@ -22,6 +24,7 @@ import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 MAGIC = "*?["
 
 
@@ -41,27 +44,66 @@ def expand(path: str, fs: pafs.FileSystem, p: str) -> list[str]:
     walker = _Walker(fs, local, path)
     ancestors = (os.path.realpath(base),) if local else ()
     found = sorted(set(walker.walk(base, parts[first:], ancestors)))
+    if not local:
+        return [scheme + f for f in once_each(found, walker.infos, fs, scheme)]
     if base == "." and not absolute:
         found = [f.removeprefix("./") for f in found]
-    if not local:
-        return [scheme + f for f in found]
-    seen: set[str] = set()
+    seen: dict[tuple[int, int], str] = {}
     out = []
-    for f in found:  # one path per real file: a link beside its target, or two links to one folder
-        real = os.path.realpath(f)
-        if real not in seen:
-            seen.add(real)
+    for f in found:  # one path per file: a link beside its target, a hard link, a folder mounted inside itself
+        st = os.stat(f)
+        first_path = seen.setdefault((st.st_dev, st.st_ino), f)
+        if first_path == f:
             out.append(f)
+        else:
+            logger.info("dataset.path: %s is %s under another name: read once", f, first_path)
     return out
+
+
+def once_each(found: list[str], infos: dict[str, pafs.FileInfo], fs: pafs.FileSystem, scheme: str) -> list[str]:
+    """`found` on an object store, less the objects that repeat an earlier one: no inodes there, so the same
+    (size, modification time) and then the same ETag (a HEAD request per object, only for those that share a
+    size and a time with another: none for most sources). Folders are kept as they are."""
+    groups: dict[tuple, list[str]] = {}
+    for f in found:
+        info = infos.get(f) or fs.get_file_info(f)
+        if info.type == pafs.FileType.File:
+            groups.setdefault((info.size, info.mtime_ns), []).append(f)
+    dropped: set[str] = set()
+    for paths in (g for g in groups.values() if len(g) > 1):
+        seen: dict[str, str] = {}
+        for f in paths:
+            tag = _etag(scheme, f)
+            if tag is not None and seen.setdefault(tag, f) != f:
+                logger.info("dataset.path: %s%s has the content of %s%s: read once", scheme, f, scheme, seen[tag])
+                dropped.add(f)
+    return [f for f in found if f not in dropped]
+
+
+def _etag(scheme: str, path: str) -> str | None:
+    """The object's ETag (one HEAD request); None where the store's client is not there."""
+    bucket, _, key = path.partition("/")
+    if scheme == "s3://":
+        import boto3  # AWS_ENDPOINT_URL and the AWS_* credentials, as pyarrow reads them
+
+        return boto3.client("s3").head_object(Bucket=bucket, Key=key)["ETag"]
+    if scheme == "gs://":
+        from google.cloud import storage
+
+        return storage.Client().bucket(bucket).get_blob(key).etag
+    return None
 
 
 class _Walker:
     def __init__(self, fs: pafs.FileSystem, local: bool, pattern: str):
         self.fs, self.local, self.pattern = fs, local, pattern
+        self.infos: dict[str, pafs.FileInfo] = {}  # what the listings said of each entry: sizes, times
 
     def _list(self, folder: str) -> list[pafs.FileInfo]:
         sel = pafs.FileSelector(folder, allow_not_found=True, recursive=False)
-        return [i for i in self.fs.get_file_info(sel) if i.type in (pafs.FileType.File, pafs.FileType.Directory)]
+        got = [i for i in self.fs.get_file_info(sel) if i.type in (pafs.FileType.File, pafs.FileType.Directory)]
+        self.infos.update((i.path, i) for i in got)
+        return got
 
     def _enter(self, folder: str, ancestors: tuple[str, ...]) -> tuple[str, ...]:
         """The real folders above and at `folder`; a ConfigError where `folder` is one of those above (a loop)."""

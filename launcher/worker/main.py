@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from launcher.errors import die_with_parent
+from launcher.errors import die_with_parent, error_line
 from launcher.logs import setup_logging
 
 CRASH_GRACE_S = 1.0  # a forked rank that crashed waits this long before it exits: see entry()
@@ -22,7 +22,7 @@ def run(argv: list[str]) -> int:
     try:
         return run_worker(load_config(*split_args(argv)))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return e.exit_code
 
 

@@ -34,7 +34,7 @@ import logging
 import torch
 
 import jobs.text_to_image as text_to_image
-from jobs.text_to_image import _family, cache_context
+from jobs.text_to_image import _family, cache_context, check_finite
 from launcher.worker.residency import park, unpark
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,8 @@ def _staged(pipe, batches: list, cfg, job, set_lora):
             @torch.no_grad()
             def decode(i=i, b=b, **_):
                 out = latents.pop(i)
+                if fam.decode_latents:  # the latents are at hand here: name the transformer where they went bad
+                    check_finite(b, out, "transformer")
                 images = fam.decode_latents(pipe, out, b.shape[0], b.shape[1]) if fam.decode_latents else out
                 return [{**s, "model": cfg.model.path} for s in b.samples(images)]
 
