@@ -63,7 +63,8 @@ SESSION_MARK = "MESHGEN_TEST_SESSION"  # in the environment of every process thi
 
 @pytest.fixture(scope="session", autouse=True)
 def no_orphans():
-    """At the end, no process started by this pytest process (they inherit SESSION_MARK) outlives its parent.
+    """At the end, no process started by this pytest process (they inherit SESSION_MARK) outlives its parent, and
+    none is still running as its child.
 
     Every process of a job must end with the job: a writer orphaned under init kept a job's stderr open, so the
     test that ran it waited 300 s for the end of its output and failed, and only on a loaded machine."""
@@ -88,7 +89,20 @@ def no_orphans():
                 continue
         return found
 
-    _, alive = psutil.wait_procs(orphans(), timeout=10)  # a killed job's processes may still be dying
+    def strays() -> list:
+        """This process's children still running once every test is over: a test started them and never ended
+        them (a wait that timed out). multiprocessing's resource tracker lives as long as this process does."""
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != "zombie" and "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.Error:  # gone meanwhile
+                continue
+        return found
+
+    # A killed job's processes may still be dying.
+    _, alive = psutil.wait_procs(orphans() + strays(), timeout=10)
     left = []
     for p in alive:
         try:
@@ -174,6 +188,14 @@ def default_model(tiny_model) -> Path:
         except OSError:  # another xdist worker's copy got there first
             shutil.rmtree(tmp)
     return target
+
+
+def contract_seed(base: int, sample_id: str) -> int:
+    """DESIGN.md's seed of a sample, from its words (not the product's code): the first 8 bytes of
+    sha256("<generate.seed>:<sample id>") read little-endian, masked to 63 bits."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{base}:{sample_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

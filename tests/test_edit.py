@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -150,18 +152,31 @@ def test_edit_compiled_with_static_shapes_writes_webdataset(source, edit):
     assert meta["reference"][0]["sha256"] == hashlib.sha256(read_rows(source)["2"]["image"]["bytes"]).hexdigest()
 
 
+def _padded(png: bytes, size: int) -> bytes:
+    """The same PNG image in a file of more than `size` bytes: a private ancillary chunk (`meSh`, which readers
+    skip) of zeros before IEND."""
+    data = bytes(size)
+    chunk = struct.pack(">I", len(data)) + b"meSh" + data + struct.pack(">I", zlib.crc32(b"meSh" + data))
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + chunk + png[end:]
+
+
 def _refs(folder: Path, source: Path) -> list[bytes]:
-    """Two of the source run's images as files in `folder`/refs, and a JSONL that names them relatively."""
+    """Three of the source run's images as files in `folder`/refs, and a JSONL that names them relatively. The
+    second is padded past the 1 MiB that planning hashes a file by (launcher/ledger/references.py `_CHUNK`): a
+    hash of its first chunk alone would not be its sha256."""
     rows = read_rows(source)
     (folder / "refs").mkdir(parents=True, exist_ok=True)
+    images = [rows[str(i)]["image"]["bytes"] for i in range(3)]
+    images[1] = _padded(images[1], (1 << 20) + 1000)
     for i in range(3):
-        (folder / "refs" / f"{i}.png").write_bytes(rows[str(i)]["image"]["bytes"])
+        (folder / "refs" / f"{i}.png").write_bytes(images[i])
     lines = [
         {"id": "a", "prompt": "put them together", "image": ["refs/0.png", "refs/1.png"]},
         {"id": "b", "prompt": "make it night", "image": "refs/2.png"},
     ]
     (folder / "edits.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return [rows[str(i)]["image"]["bytes"] for i in range(3)]
+    return images
 
 
 def test_two_references_from_relative_paths_and_an_edited_reference_is_stale(source, tiny_model, tmp_path):
@@ -176,6 +191,7 @@ def test_two_references_from_relative_paths_and_an_edited_reference_is_stale(sou
     assert sorted(rows) == ["a-0", "a-1", "b-0", "b-1"]
     a = rows["a-0"]
     assert [x["path"] for x in a["reference"]] == [str(tmp_path / "refs" / f"{i}.png") for i in (0, 1)]
+    assert len(refs[1]) > 1 << 20 and pixels(refs[1]).shape == (64, 64, 3)  # over a hashing chunk, still an image
     assert [x["sha256"] for x in a["reference"]] == [hashlib.sha256(r).hexdigest() for r in refs[:2]]
     expected = bare_edit(tiny_model, refs[:2], a["prompt"], [contract_seed(f"a-{k}") for k in (0, 1)], **FLUX2_KW)
     for k in (0, 1):

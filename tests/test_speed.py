@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import json
-import types
 
 import numpy as np
 import pytest
-from conftest import bare_flux2, launch, pixels, read_rows
+from conftest import bare_flux2, contract_seed, launch, pixels, read_rows
 
 from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.ledger.shards import check_sample_ids, settings, settings_fingerprint
 
 IDS = ["cat", "dog", "a-5", "tree", "sky"]  # 3 shards of 2 prompts, the last one padded
+ROW_SEEDS = {"dog": 11, "tree": 2**63 - 1}  # the rows' own `seed` column; the others have none
 N = 2
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("speed") / "p.jsonl"
-    path.write_text("".join(json.dumps({"key": i, "prompt": f"a photo of {i}"}) + "\n" for i in IDS))
+    rows = [{"key": i, "prompt": f"a photo of {i}", **({"seed": ROW_SEEDS[i]} if i in ROW_SEEDS else {})} for i in IDS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -38,18 +39,12 @@ def job(run_job, prompts):
     return run
 
 
-# The contract's seeds of these samples (job seed 0), computed once with hashlib and written out.
+# Each sample's seed from the contract's words (job seed 0): sha256("0:<prompt id>-<k>"); where the row has its own
+# seed, the README's rule for N > 1: sha256("<row seed>:<k>").
 SEEDS = {
-    "cat-0": 4293366858092544584,
-    "cat-1": 6519971559487485264,
-    "dog-0": 1846117177644243048,
-    "dog-1": 5244208722535973872,
-    "a-5-0": 5702421345347161706,
-    "a-5-1": 3372768112427083934,
-    "tree-0": 1458789896670592307,
-    "tree-1": 1360756661027734431,
-    "sky-0": 5080135666196696431,
-    "sky-1": 1437267233648433379,
+    f"{i}-{k}": contract_seed(ROW_SEEDS[i], str(k)) if i in ROW_SEEDS else contract_seed(0, f"{i}-{k}")
+    for i in IDS
+    for k in range(N)
 }
 
 
@@ -78,6 +73,21 @@ def test_dp_batch_size_staging_and_offload_change_images_by_2_levels_at_most(job
     ref = job("mesh.tp=1", "generate.batch_size=1")
     other = job("mesh.tp=1", "mesh.dp=2", "generate.batch_size=2", "execution.staged=true", "execution.offload=model")
     assert _diff(ref, other) <= 2
+
+
+def test_batches_of_several_prompts_and_images_keep_each_samples_seed(job):
+    """Batches of 2 prompts x 2 images (conf tiny's batch size), staged and not, rows with and without their own
+    seed: every sample's `seed` is its own (a wrong index into a batch's seeds shows only with both > 1), and its
+    image was made with it (the images equal batch size 1's: test_dp_batch_size_... and test_staged_...)."""
+    assert SEEDS["cat-0"] == 4293366858092544584 and SEEDS["sky-1"] == 1437267233648433379  # hashlib's, written out
+    options = ("+execution.cache_options.cache_interval=2", "+execution.cache_options.disable_cache_before_step=1")
+    for out in (
+        job("mesh.tp=1", "mesh.dp=2", "generate.batch_size=2", "execution.staged=true", "execution.offload=model"),
+        job("execution.staged=true"),
+        job("execution.cache=taylorseer", *options),  # unstaged
+    ):
+        rows = read_rows(out)
+        assert {k: (r["seed"], r["prompt_id"]) for k, r in rows.items()} == {k: (s, k[:-2]) for k, s in SEEDS.items()}
 
 
 def test_staged_on_a_tp_mesh_matches_tp1_within_2_levels(job):
@@ -173,22 +183,6 @@ def test_defaults_keep_old_fingerprints_and_n_or_cache_change_them():
     fps |= {settings_fingerprint(load_config("tiny", ["execution.cache=taylorseer"]))}
     fps |= {settings_fingerprint(load_config("tiny", ["execution.staged=true", "generate.batch_size=7"]))}
     assert len(fps) == 3  # staging and batch size decide how, not what
-
-
-def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
-    from launcher.worker import runner
-
-    def gather(out, obj, group=None):  # the peer saw other images
-        out[:] = [obj, (None, "other")]
-
-    monkeypatch.setattr(runner.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(runner.dist, "all_gather_object", gather)
-    groups = types.SimpleNamespace(tp_size=2, tp_control=None)
-    assert "different step-cache decisions" in runner._agree(groups, None, "mine")
-    monkeypatch.setattr(
-        runner.dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj])
-    )
-    assert runner._agree(groups, None, "same") is None
 
 
 # Imported first by every Python process that has its folder on PYTHONPATH: in the worker of rank 1 (torch elastic

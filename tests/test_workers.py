@@ -1,11 +1,15 @@
 """Several workers on one job, on local disk and on an S3-compatible store: shards shared, none lost or doubled."""
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import LAUNCH, first_rows, first_shards, launch, read_rows, slow_job
 
@@ -25,15 +29,22 @@ def one_worker(slow_clean) -> Path:
     return slow_clean(1)
 
 
-def run_two_workers(job, out: str, env: dict | None = None, codes: tuple[int, ...] = (0,)) -> list[list[int]]:
-    """Launch workers 0 and 1 of 2 at once, each of which exits with one of `codes`, and one with the last of
-    them; the shards each one generated."""
+def run_two_workers(
+    job,
+    out: str,
+    env: dict | None = None,
+    codes: tuple[int, ...] = (0,),
+    each: tuple[tuple[str, ...], ...] = ((), ()),
+    started: Callable[[], None] | None = None,
+) -> list[list[int]]:
+    """Launch workers 0 and 1 of 2 at once (worker i with the overrides each[i]), call `started`, and wait for both;
+    each exits with one of `codes`, and one with the last of them. The shards each one generated."""
     import os
 
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     procs = [
         subprocess.Popen(
-            [LAUNCH, *job, f"output.dir={out}", f"workers.index={i}", "workers.count=2"],
+            [LAUNCH, *job, *each[i], f"output.dir={out}", f"workers.index={i}", "workers.count=2"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -41,7 +52,17 @@ def run_two_workers(job, out: str, env: dict | None = None, codes: tuple[int, ..
         )
         for i in range(2)
     ]
-    logs = [p.communicate(timeout=300)[1] for p in procs]
+    try:
+        if started:
+            started()
+        logs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:  # a test that failed or timed out leaves no worker running
+        for p in procs:
+            if p.poll() is None:
+                for q in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        q.kill()
+                p.communicate()
     got = [p.returncode for p in procs]
     assert set(got) <= set(codes) and codes[-1] in got, f"exit codes {got}\n" + "\n".join(x[-3000:] for x in logs)
     # One line per shard event on the terminal: "shard 3 done: ..." by the worker that generated it.
@@ -78,15 +99,35 @@ def test_two_workers_on_local_disk(job, one_worker, tmp_path):
 
 
 def test_a_rerun_of_a_few_shards_is_split_between_workers(slow, one_worker, tmp_path):
+    """Both workers plan from the same ledger (each holds after reading it until both have): each tries its own
+    share of the three pending shards first, and every shard is generated once. Which worker generates which shard
+    is a race (a worker that starts late finds its share taken), so that is not asserted."""
     import shutil
 
     out = tmp_path / "out"
     shutil.copytree(one_worker, out)  # and its own job: all SLOW_N prompts
     for i in (0, 2, 4):  # all three belong to worker 0 by the modulo split
         (out / "state" / f"shard-{i:05d}.json").unlink()
-    done = run_two_workers([*slow[0], "mesh.tp=1"], str(out))
+    before = set((out / "logs").iterdir())
+    holds = [tmp_path / f"hold-{i}" for i in range(2)]
+
+    def release_once_both_read_the_ledger() -> None:
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{h}.waiting").exists() for h in holds):
+            assert time.monotonic() < deadline, "a worker never read the ledger"
+            time.sleep(0.05)
+        for h in holds:
+            h.touch()
+
+    each = tuple((f"testing.hold_after_ledger_read={h}",) for h in holds)
+    done = run_two_workers([*slow[0], "mesh.tp=1"], str(out), each=each, started=release_once_both_read_the_ledger)
     assert_each_shard_once(done, [0, 2, 4])
-    assert done[0] and done[1], f"one worker did all of {done}"
+    # Each worker's plan: the same three shards, its own share first (the modulo split of the selection).
+    logs = "".join(p.read_text() for d in set((out / "logs").iterdir()) - before for p in d.glob("rank-*.log"))
+    assert sorted(re.findall(r"3 shards to generate by 2 workers; dp replica 0 tries (\[.*\]) first", logs)) == [
+        "[0, 4]",
+        "[2]",
+    ], logs[-3000:]
     assert read_rows(out) == read_rows(one_worker)
 
 

@@ -1,0 +1,163 @@
+"""Fast known-answer tests of promises that only slow end-to-end runs checked before: each sample's seed inside a
+batch of several prompts and images, the prompt limit in bytes (both readers), a done shard whose prompts changed,
+a dry run on a host that has chips, and the tp ranks' comparison of their images under step caching (the end-to-end
+one: tests/test_speed.py). Expected values come from DESIGN.md's words, worked out here."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+from conftest import PROMPTS, contract_seed
+from omegaconf import OmegaConf
+
+from launcher.config import load_config
+from launcher.errors import ConfigError
+
+
+def test_each_sample_of_a_batch_of_several_prompts_and_images_gets_its_own_seed():
+    """batch_size 3 and 2 images per prompt, rows with and without a `seed` column: every sample's seed (the
+    Parquet's `seed` column) and the image it was made with, by sample id. With batch_size 1 a wrong index into a
+    batch's seeds gives the same answer; here it does not."""
+    from jobs.text_to_image import make_batches
+
+    gen = OmegaConf.create(
+        {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "batch_size": 3, "seed": 7}
+    )
+    gen.images_per_prompt = n = 2
+    rows = [
+        {"id": "a", "prompt": "p"},
+        {"id": "b", "prompt": "q", "seed": 11},
+        {"id": "c", "prompt": "r"},
+        {"id": "d", "prompt": "s", "seed": 2**63 - 1},
+    ]
+    # DESIGN.md: sha256("<generate.seed>:<sample id>"); the README: a row's own seed seeds its N images as a job
+    # seed would, sample k from sha256("<row seed>:<k>").
+    want = {f"{r['id']}-{k}": contract_seed(7, f"{r['id']}-{k}") for r in rows for k in range(n)}
+    want |= {f"{r['id']}-{k}": contract_seed(r["seed"], str(k)) for r in rows if "seed" in r for k in range(n)}
+    batches = make_batches(rows, gen)
+    assert [(b.n_real, len(b.rows)) for b in batches] == [(3, 3), (1, 3)]
+    got = {}
+    for b in batches:
+        ids = [f"{r['id']}-{k}" for r in b.rows for k in range(n)]  # the pipeline's order: prompt-major
+        assert b.seeds == [want[i] for i in ids]  # the generators, one per image, padding included
+        images = [np.full((2, 2, 3), j / 255) for j in range(len(ids))]  # image j is level j all over
+        for s in b.samples(images):
+            got[s["id"]] = (s["seed"], s["prompt_id"], int(s["pixels"][0, 0, 0]))
+        assert [got[i][2] for i in ids[: b.n_real * n]] == list(range(b.n_real * n))  # each its own image
+    assert {i: g[:2] for i, g in got.items()} == {i: (want[i], i[0]) for i in want}
+
+
+@pytest.fixture
+def long_prompts(tmp_path):
+    """Prompts of 30,000 and 40,000 'é': 60,000 bytes of UTF-8 (within the 64 KiB limit), and 80,000 (over it,
+    though 40,000 characters are not), as a .txt line and as a .jsonl prompt and negative prompt."""
+
+    def write(chars: int, kind: str):
+        text = "é" * chars
+        if kind == "txt":
+            path = tmp_path / f"{chars}.txt"
+            path.write_text(text + "\n", encoding="utf-8")
+        elif kind == "prompt":
+            path = tmp_path / f"{chars}.jsonl"
+            path.write_text(json.dumps({"prompt": text}) + "\n", encoding="utf-8")
+        else:
+            path = tmp_path / f"{chars}-negative.jsonl"
+            path.write_text(json.dumps({"prompt": "fine", "negative_prompt": text}) + "\n", encoding="utf-8")
+        return str(path), text
+
+    return write
+
+
+@pytest.mark.parametrize("kind", ["txt", "prompt", "negative"])
+def test_the_prompt_limit_counts_bytes_in_both_readers(long_prompts, kind):
+    from launcher.ledger.prompts import Source, _exact_rows, _GiveUp, read_batches
+    from launcher.ledger.prompts_fast import fast_batches
+
+    column = "negative_prompt" if kind == "negative" else "prompt"
+    path, text = long_prompts(30_000, kind)
+    [fast] = [r for b in fast_batches(path, Source(path), 0) for r in b.to_pylist()]  # fast: certainly fine
+    [exact] = list(_exact_rows(path, Source(path), 0))
+    assert fast[column] == exact[column] == text
+    assert [r[column] for b in read_batches(Source(path)) for r in b.to_pylist()] == [text]
+
+    path, _ = long_prompts(40_000, kind)
+    with pytest.raises(_GiveUp):  # the fast reader leaves it to the exact one, which names the line
+        list(fast_batches(path, Source(path), 0))
+    for rows in (lambda: list(_exact_rows(path, Source(path), 0)), lambda: list(read_batches(Source(path)))):
+        with pytest.raises(ConfigError) as e:
+            rows()
+        assert f"{path}, line 1" in str(e.value) and "80000 bytes" in str(e.value), str(e.value)
+
+
+def test_a_done_shard_whose_prompts_changed_is_stale(tmp_path):
+    """Shards of 2 prompts, both done; one prompt of shard 0 edited: shard 0 is stale (refused by default,
+    regenerated with run.stale=regenerate), shard 1 is still done."""
+    from launcher.ledger.plan import make_plan
+
+    src = tmp_path / "p.txt"
+    src.write_text("a red cat\na blue dog\na green tree\na grey sky\n")
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=2"])
+    first = make_plan(cfg, {})
+    assert first.status == {0: "pending", 1: "pending"}
+    done = {s.index: {"status": "done", "rows": 2, "prompts_fingerprint": s.fingerprint} for s in first.shards}
+    assert make_plan(cfg, done).status == {0: "done", 1: "done"} and make_plan(cfg, done).selected == []
+
+    src.write_text("a red cat\na blue wolf\na green tree\na grey sky\n")
+    with pytest.raises(ConfigError, match=r"shards \[0\] are done but their prompts changed"):
+        make_plan(cfg, done)
+    plan = make_plan(load_config("tiny", [f"dataset.path={src}", "run.shard_size=2", "run.stale=regenerate"]), done)
+    assert (plan.status, plan.stale, plan.selected) == ({0: "stale", 1: "done"}, [0], [0])
+
+
+def test_a_dry_run_on_a_host_with_chips_checks_their_count(launcher_main, default_model, monkeypatch, capsys):
+    """A CUDA host with 4 chips, a job of 8 processes on it: the dry run exits 2 as the real run would, naming
+    the count (CPU hosts never reach this check: they have no chip count)."""
+    import launcher.host.checks
+
+    monkeypatch.setattr(launcher.host.checks, "local_chip_count", lambda device: 4 if device == "cuda" else None)
+    code = launcher_main(["--dry-run", PROMPTS, "device=cuda", "mesh.chip=h100", "mesh.dp=8", "mesh.tp=1"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "8 processes per host but this host has 4 cuda chips" in err.strip().splitlines()[-1], err[-2000:]
+    # Within the host's chips the same dry run passes the check.
+    code = launcher_main(["--dry-run", PROMPTS, "device=cuda", "mesh.chip=h100", "mesh.dp=4", "mesh.tp=1"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+
+
+def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
+    """Under step caching each tp rank hashes the images it computed and the ranks compare: run_shard as rank 0
+    of a tp group of 2, in this process, whose peer's messages are what run_shard itself sent in an earlier run
+    (of the same images, or of images one level off in one pixel). A runner that hashed nothing would agree."""
+    from launcher.ledger.shards import Shard
+    from launcher.worker import runner
+
+    cfg = load_config("tiny", ["execution.cache=taylorseer"])
+    groups = types.SimpleNamespace(tp_size=2, tp_rank=0, tp_control=None, is_writer=False)
+    pixels = np.random.default_rng(0).integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    sent, peer = [], []
+
+    def gather(out, obj, group=None):  # every rank's (error, hash): this one's, then the peer's, call for call
+        out[:] = [obj, peer[len(sent)] if peer else obj]
+        sent.append(obj)
+
+    def run(images: np.ndarray) -> bool:  # one batch of one image; True when the shard's ranks agreed
+        def steps(pipe, batches, cfg, job, set_lora_scales=None):
+            yield batches[0], lambda **kw: [{"id": "a", "pixels": images}]
+
+        sent.clear()
+        monkeypatch.setattr(runner, "shard_steps", steps)
+        worker = runner.Worker(cfg, None, groups, types.SimpleNamespace(take=dict), None)
+        return runner.run_shard(worker, Shard(0, ({"id": "a", "prompt": "p"},), "fp"))
+
+    monkeypatch.setattr(runner.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(runner.dist, "all_gather_object", gather)
+    assert run(pixels)  # alone with itself
+    peer[:] = sent  # what a rank that computed these images says: after planning, after the batch
+    other = pixels.copy()
+    other[0, 0, 0] ^= 1
+    assert not run(other)
+    assert run(pixels.copy())  # the same images, computed again: the same hash
