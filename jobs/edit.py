@@ -4,8 +4,11 @@ Diffusers' edit pipelines take one set of references per call (FLUX.2 repeats th
 Qwen-Image-Edit-Plus takes one prompt per call), so a call holds one row and its `images_per_prompt` images;
 `generate.batch_size` does not apply. A shard's references are read when it is claimed
 (launcher/ledger/references.py, which checks each one's hash against the plan's), so a reference gone since
-planning fails that shard alone, naming its path. Each is decoded to RGB and resized to the row's size (its
-bucket), so every call of a bucket has the same shapes: one compile per shape. Seeds, sample ids, sizes and
+planning fails that shard alone, naming its path. Each is decoded to RGB with its full range (a 16-bit image
+scaled, not clipped; CMYK through its ICC profile) and brought to the row's size (its bucket) as
+`generate.reference_fit` says: `crop` (default: resized to cover the size, keeping its aspect ratio, then
+center-cropped), `pad` (resized to fit inside, centered on black) or `stretch` (resized to the size, its aspect
+ratio lost). So every call of a bucket has the same shapes: one compile per shape. Seeds, sample ids, sizes and
 everything else are text-to-image's.
 """
 
@@ -29,6 +32,7 @@ class EditBatch(Batch):
     lineage: list = field(default_factory=list)  # one {id, path, sha256} per reference
     data: list = field(default_factory=list)  # the references' bytes, as stored
     keep_bytes: bool = False  # output.reference_bytes
+    fit: str = "crop"  # generate.reference_fit
 
     def references(self) -> list:
         """The references as PIL images, RGB, at the batch's size."""
@@ -38,8 +42,7 @@ class EditBatch(Batch):
         out = []
         for b in self.data:
             with Image.open(io.BytesIO(b)) as im:
-                im = im.convert("RGB")
-            out.append(im if im.size == (w, h) else im.resize((w, h), Image.Resampling.LANCZOS))
+                out.append(fit_image(to_rgb(im), w, h, self.fit))
         return out
 
     def samples(self, images) -> list[dict]:
@@ -49,6 +52,47 @@ class EditBatch(Batch):
             if self.keep_bytes:  # a self-contained (before, instruction, after) row
                 s["reference_image"] = {"bytes": self.data[0], "path": self.lineage[0]["path"]}
         return out
+
+
+def to_rgb(im):
+    """An 8-bit RGB copy of `im` with its whole range: PIL's convert("RGB") clips 16-bit grey ("I;16", "I") at 255
+    (a full ramp comes out 99.6% white), so those are scaled by their top byte; CMYK goes through its embedded
+    ICC profile to sRGB where it has one, else PIL's plain conversion."""
+    import numpy as np
+    from PIL import Image, ImageCms
+
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        grey = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return Image.fromarray(np.repeat(grey[..., None], 3, axis=2))
+    if im.mode == "CMYK" and im.info.get("icc_profile"):
+        try:
+            source = ImageCms.ImageCmsProfile(io.BytesIO(im.info["icc_profile"]))
+            return ImageCms.profileToProfile(im, source, ImageCms.createProfile("sRGB"), outputMode="RGB")
+        except (ImageCms.PyCMSError, OSError) as e:  # a damaged profile: the plain conversion, said once per image
+            logger.warning("a CMYK reference's ICC profile cannot be used (%s); converting it without", e)
+    return im.convert("RGB")
+
+
+def fit_image(im, w: int, h: int, fit: str = "crop"):
+    """`im` at w x h: `crop` resizes it to cover w x h (keeping its aspect ratio) and cuts the middle out; `pad`
+    resizes it to fit inside and centers it on black; `stretch` resizes it to w x h."""
+    from PIL import Image
+
+    lanczos = Image.Resampling.LANCZOS
+    if im.size == (w, h):
+        return im
+    if fit == "stretch":
+        return im.resize((w, h), lanczos)
+    scale = (max if fit == "crop" else min)(w / im.width, h / im.height)
+    size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+    if fit == "crop":
+        size = (max(size[0], w), max(size[1], h))  # rounding must not leave a row uncovered
+        left, top = (size[0] - w) // 2, (size[1] - h) // 2
+        return im.resize(size, lanczos).crop((left, top, left + w, top + h))
+    size = (min(size[0], w), min(size[1], h))
+    canvas = Image.new("RGB", (w, h))  # black
+    canvas.paste(im.resize(size, lanczos), ((w - size[0]) // 2, (h - size[1]) // 2))
+    return canvas
 
 
 def shard_batches(rows, cfg) -> list[EditBatch]:
@@ -66,6 +110,7 @@ def shard_batches(rows, cfg) -> list[EditBatch]:
                 lineage=[lin for lin, _ in refs],
                 data=[d for _, d in refs],
                 keep_bytes=bool(cfg.output.reference_bytes),
+                fit=cfg.generate.get("reference_fit", "crop"),
             )
         )
     return out

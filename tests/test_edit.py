@@ -207,7 +207,7 @@ def test_two_references_from_relative_paths_and_an_edited_reference_is_stale(sou
     assert read_rows(out)["b-0"]["reference"][0]["sha256"] == hashlib.sha256(refs[0]).hexdigest()
 
 
-def _png(size=(8, 8)) -> bytes:
+def _png(size=(64, 64)) -> bytes:  # the edit pipelines take 64 px a side at least
     buf = io.BytesIO()
     Image.new("RGB", size).save(buf, format="PNG")
     return buf.getvalue()

@@ -178,6 +178,7 @@ def test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard(run_job, 
 def test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go(run_job, tiny_model, tmp_path):
     out = tmp_path / "out"
     args = [f"model.path={tiny_model}", f"output.dir={out}", "mesh.tp=1"]  # one worker: the writer is the subject
+    args.append("output.image_files=true")  # image folders too: a failed shard's and leftovers must go
     (out / "data" / "shard-00001.parquet").mkdir(parents=True)  # in the way of the writer's final rename
     # The same job's run.json: a folder with data/ but no run.json is not meshgen's, and is refused (issue 21).
     shutil.copy(run_job("mesh.tp=1") / "run.json", out / "run.json")

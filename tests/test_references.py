@@ -28,35 +28,35 @@ def plan_table(path, **kw) -> pa.Table:
 
 
 def test_size_from_reference_rounds_down_to_the_model_factor(tmp_path):
-    (tmp_path / "small.png").write_bytes(png(100, 60))
+    (tmp_path / "small.png").write_bytes(png(100, 70))
     (tmp_path / "large.png").write_bytes(png(2000, 1500))
     rows = [{"prompt": "a", "image": "small.png"}, {"prompt": "b", "image": "large.png"}]
-    rows.append({"prompt": "c", "image": "small.png", "height": 32, "width": 32})  # a row's own size wins
+    rows.append({"prompt": "c", "image": "small.png", "height": 80, "width": 80})  # a row's own size wins
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     t = plan_table(tmp_path / "p.jsonl", size_from_reference=True).to_pylist()
-    assert (t[0]["height"], t[0]["width"]) == (48, 96)
+    assert (t[0]["height"], t[0]["width"]) == (64, 96)
     assert (t[1]["height"], t[1]["width"]) == (1488, 2000)
-    assert (t[2]["height"], t[2]["width"]) == (32, 32)
+    assert (t[2]["height"], t[2]["width"]) == (80, 80)
     plain = plan_table(tmp_path / "p.jsonl").to_pylist()  # without it, the config's size applies (empty here)
-    assert plain[0]["height"] is None and plain[2]["height"] == 32
+    assert plain[0]["height"] is None and plain[2]["height"] == 80
 
 
 def test_the_fingerprint_covers_reference_content_not_location(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
-    (a / "r.png").write_bytes(png(8, 8))
+    (a / "r.png").write_bytes(png(64, 64))
     (a / "p.jsonl").write_text(json.dumps({"prompt": "x", "image": "r.png"}) + "\n")
     first = prompts_fingerprint(plan_table(a / "p.jsonl"))
     shutil.copytree(a, b)  # the same source elsewhere: the same images, the same fingerprint
     assert prompts_fingerprint(plan_table(b / "p.jsonl")) == first
-    (b / "r.png").write_bytes(png(8, 8, (255, 0, 0)))  # an edited reference: another fingerprint
+    (b / "r.png").write_bytes(png(64, 64, (255, 0, 0)))  # an edited reference: another fingerprint
     assert prompts_fingerprint(plan_table(b / "p.jsonl")) != first
     text_only = pa.Table.from_batches(list(read_batches(Source(str(a / "p.jsonl")))))
     assert text_only.column_names == plan_table(a / "p.jsonl").column_names[:-2]
 
 
 def test_parquet_image_structs_and_lists_are_read_back_by_row(tmp_path):
-    refs = [png(8, 8, (i * 20, 0, 0)) for i in range(5)]
+    refs = [png(64, 64, (i * 20, 0, 0)) for i in range(5)]
     struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     images = [[{"bytes": r, "path": f"{i}.png"}] for i, r in enumerate(refs[:3])]
     images.append([{"bytes": refs[3], "path": None}, {"bytes": refs[4], "path": None}])  # two references

@@ -25,6 +25,12 @@ def check_settings(cfg) -> None:
 
     check_config(cfg)  # first: an address with credentials in it must not reach any line or file
 
+    metrics = str(cfg.output.metrics)
+    if metrics and ("://" in metrics or not metrics.endswith(".prom")):  # what node-exporter's collector reads
+        raise ConfigError(
+            f"output.metrics={metrics} must be a local file path ending in .prom "
+            "(node-exporter's textfile collector reads *.prom), e.g. /var/lib/node_exporter/meshgen.prom"
+        )
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{missing[0]} is not set; give it on the command line ({missing[0]}=...) or in the job")
@@ -37,9 +43,13 @@ def check_settings(cfg) -> None:
         ("generate.height", g.height),
         ("generate.width", g.width),
         ("generate.images_per_prompt", g.images_per_prompt),
+        ("run.timeout_s", r.timeout_s),  # 0 would fail the first collective of every run
+        ("run.max_attempts", r.max_attempts),
     ):
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    if not isinstance(r.shards, (str, int)) and len(r.shards) == 0:
+        raise ConfigError("run.shards=[] selects no shards; name some ([0,3]) or use pending, failed or all")
     if g.guidance_scale < 0:
         raise ConfigError(f"generate.guidance_scale={g.guidance_scale} is negative; use 0 or more")
     if not 0 <= cfg.testing.batch_sleep_s <= 60:  # NaN fails both comparisons
@@ -56,6 +66,8 @@ def check_settings(cfg) -> None:
         "device": (cfg.device, ("auto", "tpu", "cuda", "cpu")),
         "run.on_error": (r.on_error, ("continue", "abort")),
         "run.stale": (r.stale, ("error", "regenerate", "keep")),
+        "dataset.bad_rows": (cfg.dataset.bad_rows, ("refuse", "skip")),
+        "generate.reference_fit": (g.reference_fit, ("crop", "pad", "stretch")),
         "job": (cfg.job, ("text_to_image", "edit")),
     }
     for key, (value, allowed) in choices.items():
@@ -183,9 +195,12 @@ def check_object_store(url: str) -> None:
         raise ConfigError(f'output.dir={url} needs {needs[0]}: pip install -e ".[{needs[1]}]"')
     import pyarrow.fs as pafs
 
+    from launcher.ledger.gcs import probe_gcs
     from launcher.ledger.store import open_uri
 
     try:
+        if scheme == "gs":  # bounded: pyarrow's client waits minutes on a server that never answers
+            probe_gcs(url)
         fs, root = open_uri(url)
         found = fs.get_file_info(root.split("/", 1)[0]).type != pafs.FileType.NotFound
         problem = "" if found else "no such bucket"
@@ -194,5 +209,6 @@ def check_object_store(url: str) -> None:
     if problem:
         raise ConfigError(
             f"output.dir={url} cannot be reached ({problem}); check the bucket name and the credentials "
-            "(the AWS_* variables, or gcloud application default credentials)"
+            "(the AWS_* variables, or gcloud application default credentials; "
+            "STORAGE_EMULATOR_HOST for a local GCS server)"
         )

@@ -164,3 +164,40 @@ def _write_cache(cache: dict) -> None:
         tmp.replace(path)
     except OSError as e:  # a read-only home: count again next time
         logger.debug("cannot cache parameter counts in %s: %s", path, e)
+
+
+# quality.*: the scoring models each writing rank holds beside the pipeline (launcher/worker/quality.py), counted
+# from their configs: a local folder's config.json, or, for the defaults, their published configs (CLIP ViT-L/14).
+_VIT_L14 = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24}
+_VIT_L14 |= {"patch_size": 14, "image_size": 224}
+_CLIP_TEXT = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12}
+_CLIP_TEXT |= {"vocab_size": 49408, "max_position_embeddings": 77}
+PUBLISHED_QUALITY = {
+    "openai/clip-vit-large-patch14": {"vision_config": _VIT_L14, "text_config": _CLIP_TEXT, "projection_dim": 768},
+    "CompVis/stable-diffusion-safety-checker": {"vision_config": _VIT_L14, "projection_dim": 768},
+}
+QUALITY_MODELS = {  # quality key -> (library, class, the key naming its model)
+    "clip_score": ("transformers", "CLIPModel", "clip_model"),
+    "safety": ("diffusers.pipelines.stable_diffusion.safety_checker", "StableDiffusionSafetyChecker", "safety_model"),
+}
+
+
+def quality_bytes(cfg) -> int:
+    """Bytes of the quality models on a writing rank (replicated: not sharded over tp), in model.dtype."""
+    q, total = cfg.get("quality"), 0
+    for key, (library, class_name, model_key) in QUALITY_MODELS.items():
+        if not (q and q.get(key)):
+            continue
+        config = quality_config(str(q[model_key]))
+        if config is not None:
+            total += counts((library, class_name, config)).rank_bytes(1, cfg.model.dtype, False)
+    return total
+
+
+def quality_config(path: str) -> dict | None:
+    """A quality model's config: its folder's, or the published one of a default; None (not counted) otherwise."""
+    local = Path(path).expanduser() / "config.json"
+    try:
+        return json.loads(local.read_text()) if local.is_file() else PUBLISHED_QUALITY.get(path)
+    except (OSError, ValueError):
+        return None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from launcher.errors import ConfigError
 from launcher.host import memory
+from launcher.host.work_bounds import check_work
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def plan_mesh(cfg, device: str, comps: dict | None, strict: bool = True) -> Mesh
         hosts = f" x {cfg.mesh.nodes} hosts" if cfg.mesh.nodes > 1 else ""
         why.append(f"dp=auto chose {dp}: {chip.per_host} chips per host{hosts} / tp {tp}")
     cfg.mesh.dp, cfg.mesh.tp = dp, tp
+    check_work(cfg, max(1, dp * tp // cfg.mesh.nodes))  # a shard's files and a call's images (work_bounds.py)
     per_rank = None if comps is None else rank_bytes(cfg, comps, tp)
     plan = MeshPlan(dp, tp, chip, per_rank, why)
     if per_rank is not None and chip.memory_gib is not None:
@@ -124,7 +126,7 @@ def rank_bytes(cfg, comps: dict, tp: int) -> dict[str, int]:
 
 
 def need_gib(cfg, per_rank: dict[str, int]) -> float:
-    return (_on_chip(cfg, per_rank) + lora_bytes(cfg)) / memory.GIB + _activation_gib(cfg)
+    return (_on_chip(cfg, per_rank) + lora_bytes(cfg) + memory.quality_bytes(cfg)) / memory.GIB + _activation_gib(cfg)
 
 
 def lora_bytes(cfg) -> int:
@@ -158,7 +160,9 @@ def _on_chip(cfg, per_rank: dict[str, int]) -> int:
 
 def _activation_gib(cfg) -> float:
     g = cfg.generate
-    return ACTIVATION_GIB_PER_MEGAPIXEL * g.batch_size * g.height * g.width / 2**20
+    # A call denoises batch_size x images_per_prompt images at once.
+    per_call = g.batch_size * g.get("images_per_prompt", 1)
+    return ACTIVATION_GIB_PER_MEGAPIXEL * per_call * g.height * g.width / 2**20
 
 
 def _need_text(cfg, per_rank: dict[str, int]) -> str:

@@ -18,8 +18,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
+from launcher.host.metrics import numbers
 from launcher.ledger.claims import held_elsewhere
 from launcher.ledger.plan import Plan
+from launcher.ledger.rejected import rel as rejected_rel
 from launcher.ledger.runs import versions
 from launcher.ledger.states import Ledger, state_token
 from launcher.ledger.store import Store
@@ -30,8 +32,10 @@ logger = logging.getLogger(__name__)
 class Progress:
     """A tqdm bar over the run's samples, fed by refreshing the ledger every few seconds (one listing each)."""
 
-    def __init__(self, ledger: Ledger, total: int, run_id: str):
+    def __init__(self, ledger: Ledger, total: int, run_id: str, on_done=None, metrics=None):
         self.ledger, self.run_id = ledger, run_id
+        self.on_done = on_done  # called with this run's done shards at each look (output.publish pushes them)
+        self.metrics = metrics  # output.metrics: launcher/host/metrics.py's MetricsFile, updated at each look
         self._stop = threading.Event()
         interactive = sys.stderr.isatty()
         self._bar = tqdm(
@@ -73,8 +77,13 @@ class Progress:
                 logger.debug("progress: %s", e)
 
     def _update(self) -> None:
-        mine = [st for st in self.ledger.refresh().values() if st.get("run_id") == self.run_id]
+        ours = {i: st for i, st in self.ledger.refresh().items() if st.get("run_id") == self.run_id}
+        mine = list(ours.values())
         done = sum(st["rows"] for st in mine if st["status"] == "done")
+        if self.on_done is not None:  # a state is written last: the shard's files are final
+            self.on_done([i for i, st in ours.items() if st["status"] == "done"])
+        if self.metrics is not None:
+            self.metrics.update(ours)
         self._bar.set_postfix(failed_shards=sum(st["status"] == "failed" for st in mine), refresh=False)
         if done and not self._bar.n:
             self._bar.set_description_str("generating", refresh=False)
@@ -128,9 +137,10 @@ def summarize(
     open_ = [i for i in plan.selected if status[i] != "done"]
     elsewhere = {i: w for i in open_ if (w := held_elsewhere(store, i, run_id)) is not None}
     failed = [i for i in open_ if status[i] == "failed" and i not in elsewhere]
+    held = [i for i in plan.held if status.get(i) == "failed"]  # failed run.max_attempts times: not retried
     pending = [i for i in open_ if status[i] != "failed" and i not in elsewhere]
     if exit_code in (EXIT_OK, EXIT_SHARDS_FAILED):
-        exit_code = EXIT_SHARDS_FAILED if failed or pending else EXIT_OK
+        exit_code = EXIT_SHARDS_FAILED if failed or pending or held else EXIT_OK
     counts = {k: sum(v == k for v in status.values()) for k in ("done", "failed", "pending", "stale")}
     damaged = sum(v == "damaged" for v in status.values())  # judged damaged by the plan and not generated since
     record = {
@@ -143,17 +153,25 @@ def summarize(
         "selected": len(plan.selected),
         "generated": len(ran),
         "failed_now": sorted(i for i, st in ran.items() if st["status"] != "done"),
-        "not_done": {"failed": failed, "pending": pending, "held_by_other_runs": sorted(elsewhere)},
+        "not_done": {
+            "failed": failed,
+            "pending": pending,
+            "held_by_other_runs": sorted(elsewhere),
+            **({"not_retried": held} if held else {}),
+        },
         **counts,
         "images": images,
         "seconds": round(wall, 2),
         "images_per_s": round(images / wall, 3) if wall else None,
         "stages": stages,
+        "metrics": numbers(ran, wall),  # what output.metrics's textfile says at the end (launcher/host/metrics.py)
         "startup_s": startup,
         "truncated_prompts": truncated,
         "code": code_version(),
         "versions": versions(),
     }
+    if plan.rejected:  # dataset.bad_rows=skip: the rows set aside, listed with their reasons in the file
+        record.update(rejected=len(plan.rejected), rejected_file=rejected_rel(run_id))
     if any(s.status == "damaged" for s in plan.shards):  # files that differed from their states: verify.py
         record.update(damaged=damaged, damaged_regenerated=repaired)
     lines = [
@@ -166,16 +184,37 @@ def summarize(
         + (f"; start-up {startup} s (launch to the first shard: imports, model load)" if startup is not None else ""),
         f"outputs: {store}",
     ]
+    if plan.rejected:
+        first = plan.rejected[0]
+        at = f"{first['file']}, line {first['line']}" if first["file"] else f"row {first['position']}"
+        lines.append(
+            f"{len(plan.rejected)} bad rows set aside (dataset.bad_rows=skip), each with its reason in "
+            f"{store.url(rejected_rel(run_id))}; the first: {at}: {first['reason']}"
+        )
     if repaired:
         lines.append(f"{len(repaired)} damaged shards regenerated: {_short(repaired)}")
     if truncated:
         lines.append(f"{truncated} prompts were longer than generate.max_sequence_length and were truncated")
     if elsewhere:
         lines.append(f"shards {_short(sorted(elsewhere))} are being generated by other live workers")
+    if held:
+        lines.append(_held_line(states, held, rerun))
     if failed or pending:
         what = "; ".join(f"{k} shards {_short(v)}" for k, v in (("failed", failed), ("pending", pending)) if v)
         lines.append(f"not done: {what}; finish them with the same command: {shlex.join(rerun)}")
     return lines, record
+
+
+def _held_line(states: dict[int, dict], held: list[int], rerun: list[str]) -> str:
+    """Why shards that fail every time were not retried, and how to retry them."""
+    first = states[held[0]]
+    samples = first.get("samples") or []
+    where = f" at samples {', '.join(map(repr, samples[:5]))}" if samples else ""
+    return (
+        f"not retried: shards {_short(held)} failed {first.get('attempts')} times in a row with the same error "
+        f"(shard {held[0]}: {first.get('error_class')}{where}: {(first.get('error') or '')[:200]}); a rerun fails "
+        f"them again: fix the row(s), then run {shlex.join([*rerun, 'run.shards=failed'])}"
+    )
 
 
 def _status(state: dict | None, shard) -> str:

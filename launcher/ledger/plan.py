@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
 from launcher.errors import ConfigError
+from launcher.ledger import rejected as rejected_mod
 from launcher.ledger import stale as stale_mod
 from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches, run_folder
 from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
-from launcher.ledger.states import select_shards, state_token
+from launcher.ledger.states import exhausted, select_shards, state_token
 from launcher.ledger.store import Store
 
 PLANS_DIR = "plans"
@@ -40,6 +41,9 @@ class Plan:
     shards: list[ShardPlan]
     selected: list[int]  # to generate now, by any worker
     stale: list[int]
+    rejected: list[dict] = field(default_factory=list)  # dataset.bad_rows=skip: rows set aside (rejected.py)
+    late: tuple[tuple[int, str], ...] = ()  # of them, those found once every row was read (duplicate ids)
+    held: list[int] = field(default_factory=list)  # failed run.max_attempts times: not retried (states.exhausted)
 
     @property
     def status(self) -> dict[int, str]:
@@ -68,7 +72,16 @@ def source(cfg, sizes: SizeRule | None = None) -> Source:
         size_from_reference=by_ref,
         row_settings=not earlier,
         variants=variants,
+        bad_rows=d.get("bad_rows", "refuse"),
+        keep_columns=_keep_spec(d.get("keep_columns")),
     )
+
+
+def _keep_spec(spec) -> tuple[str, ...] | str:
+    """dataset.keep_columns as Source holds it (hashable): a tuple of names, or "all"."""
+    if isinstance(spec, str) or not spec:
+        return spec or ()
+    return tuple(str(n) for n in spec)
 
 
 def shard_tables(src: Source, shard_size: int, limit: int | None) -> Iterator[tuple[int, pa.Table, pa.Table]]:
@@ -129,29 +142,49 @@ def shard_status(state: dict | None, table: pa.Table, whole: pa.Table, fingerpri
 def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store: Store | None = None) -> Plan:
     """Pass 1: every shard's size, fingerprint and status, and what to generate now (validates the source).
 
-    `store`: where done shards' files are listed (launcher/ledger/verify.py), and where a refusal of stale shards
-    reads which samples changed."""
+    `store`: where done shards' files are listed (launcher/ledger/verify.py), where a refusal of stale shards
+    reads which samples changed, and where the rows that earlier runs set aside are read back (rejected.py)."""
+    src = source(cfg, sizes)
+    while True:
+        try:
+            return _make_plan(cfg, states, src, sizes, store)
+        except rejected_mod.Recheck as again:  # ids found twice once all were read: plan once more without them
+            src = replace(src, late=again.late)
+
+
+def _make_plan(cfg, states: dict[int, dict], src: Source, sizes: SizeRule | None, store: Store | None) -> Plan:
     from launcher.ledger.sweep import check_sweep_columns
     from launcher.ledger.verify import listed_damage, say_damage
 
-    shards, stale_tables = [], {}
+    shards, stale_tables, set_aside = [], {}, []
     damaged = listed_damage(store, states) if store is not None else {}
-    for i, t, whole in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+    size = cfg.run.shard_size
+    for i, rows, whole_rows in shard_tables(src, size, cfg.dataset.limit):
+        t, bad = rejected_mod.split(rows, i, size)
+        whole = t if whole_rows is rows else rejected_mod.split(whole_rows, i, size)[0]
+        set_aside += bad
         check_sweep_columns(t, cfg)
         check_row_fields(t, cfg, sizes)
         fp = prompts_fingerprint(t)
         st = states.get(i)
         judged = "damaged" if i in damaged else shard_status(st, t, whole, fp)
+        if judged == "stale" and rejected_mod.was_without(store, st, i, rows, size, prompts_fingerprint):
+            judged = "grown"  # its only change: rows that it was generated without are fixed now
         shards.append(ShardPlan(i, t.num_rows, fp, judged, state_token(st)))
         if shards[-1].status == "stale" and len(stale_tables) < stale_mod.SHOWN:
             stale_tables[i] = t
+    if set_aside and not any(s.rows for s in shards):
+        rejected_mod.refuse_all(cfg.dataset.path, set_aside)
     say_damage(store, {s.index: damaged[s.index] for s in shards if s.status == "damaged"})
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]
     if stale and cfg.run.stale == "error" and selection != "all":
         stale_mod.refuse(cfg, store, stale, stale_tables)
-    return Plan(shards, select_shards(status, selection, cfg.run.stale), stale)
+    held = exhausted(states, status, cfg.run.max_attempts) if selection == "pending" else []  # run.max_attempts
+    plan = Plan(shards, select_shards(status, selection, cfg.run.stale, frozenset(held)), stale, held=held)
+    plan.rejected, plan.late = set_aside, src.late  # dataset.bad_rows=skip (launcher/ledger/rejected.py)
+    return plan
 
 
 def check_row_fields(table: pa.Table, cfg, sizes: SizeRule | None) -> None:
@@ -167,6 +200,16 @@ def check_row_fields(table: pa.Table, cfg, sizes: SizeRule | None) -> None:
             )
 
 
+def plan_kept_fields(src: Source) -> tuple[pa.Field, ...]:
+    """The dataset.keep_columns fields (launcher/ledger/keep.py), in the plan after the rows' own columns."""
+    if not src.keep_columns:
+        return ()
+    from launcher.ledger.keep import kept_fields
+    from launcher.ledger.prompts import source_files
+
+    return kept_fields(src, tuple(source_files(src.path)))
+
+
 def plan_rel(run_id: str) -> str:
     return f"{PLANS_DIR}/{run_id}.arrow"
 
@@ -179,17 +222,22 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
     wanted = set(plan.selected)
     meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in sorted(wanted)]}
     schema = SCHEMA if source(cfg).image_column is None else pa.schema([*SCHEMA, *REF_FIELDS])
-    schema = schema.with_metadata({"meshgen_plan": json.dumps(meta)})
+    kept = plan_kept_fields(source(cfg))
+    meta["kept"] = [f.name for f in kept]
+    schema = pa.schema([*schema, *kept]).with_metadata({"meshgen_plan": json.dumps(meta)})
     last = max(wanted)
+    src = replace(source(cfg, sizes), late=plan.late)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
-        for i, table, _ in shard_tables(source(cfg, sizes), cfg.run.shard_size, cfg.dataset.limit):
+        for i, rows, _ in shard_tables(src, cfg.run.shard_size, cfg.dataset.limit):
             if i in wanted:
+                table = rejected_mod.split(rows, i, cfg.run.shard_size)[0]
                 if prompts_fingerprint(table) != plan.shards[i].fingerprint:
                     raise ConfigError(
                         f"the prompt source {cfg.dataset.path} changed while this run was planned (shard {i}); "
                         "run the same command again once it is complete"
                     )
-                writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else table)
+                empty = pa.RecordBatch.from_pylist([], schema=table.schema)  # all its rows set aside (skip)
+                writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else empty)
             if i >= last:
                 break
 
@@ -228,6 +276,7 @@ class PlanFile:
         self._reader = pa.ipc.open_file(store.fs.open_input_file(store.path(rel)))
         meta = json.loads(self._reader.schema.metadata[b"meshgen_plan"])
         self._where = {i: (k, fp, seen) for k, (i, fp, seen) in enumerate(meta["shards"])}
+        self._kept = tuple(self._reader.schema.field(n) for n in meta.get("kept", ()))
         self.selected = sorted(self._where)
 
     def seen(self, index: int) -> str | None:
@@ -237,4 +286,4 @@ class PlanFile:
     def shard(self, index: int) -> Shard:
         k, fp, _ = self._where[index]
         rows = self._reader.get_batch(k).to_pylist()
-        return Shard(index, tuple({c: v for c, v in r.items() if v is not None} for r in rows), fp)
+        return Shard(index, tuple({c: v for c, v in r.items() if v is not None} for r in rows), fp, self._kept)

@@ -4,8 +4,8 @@ Every error names the file and, where there is one, the line (or Parquet row), s
 source is found in seconds, before any chip is reserved. Two readers give the same rows:
 - the fast one (launcher/ledger/prompts_fast.py): pyarrow's streaming JSON/CSV/Parquet readers and vectorised
   checks, which a 10M-line source needs (a Python loop over rows costs ~10 us each);
-- the exact one (here): row by row in Python. It runs where the fast one gives up (an odd file, a value it
-  cannot judge), and it is what names the bad line: the fast reader never words an error itself.
+- the exact one (launcher/ledger/prompts_exact.py): row by row in Python. It runs where the fast one gives up
+  (an odd file, a value it cannot judge), and it is what names the bad line: the fast one never words an error.
 Nothing holds the whole source: batches stream, and only ids are kept (to refuse duplicates).
 """
 
@@ -19,7 +19,6 @@ import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
 from launcher.ledger.addresses import check_address
-from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
 from launcher.ledger.store import open_uri
 
 # Per-row columns that override the config for that sample, where the pipeline accepts them, with their types.
@@ -51,6 +50,9 @@ class Source:
     # say how its images were made, not how to edit them, so they override nothing.
     row_settings: bool = True
     variants: int = 0  # with generate.sweep: V, and sample ids <base id>@<v> must not either
+    bad_rows: str = "refuse"  # dataset.bad_rows: refuse (exit 2 naming the row) | skip (set it aside)
+    late: tuple[tuple[int, str], ...] = ()  # skip: (row, why) found after the row was read (a duplicate id)
+    keep_columns: tuple[str, ...] | str = ()  # dataset.keep_columns: names, or "all" (launcher/ledger/keep.py)
 
 
 @dataclass(frozen=True)
@@ -82,44 +84,74 @@ def check_limit(limit: int | None) -> None:
 
 
 def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
-    """The source's rows in order, as batches with SCHEMA; ids default to the row number across all files."""
+    """The source's rows in order, as batches with SCHEMA; ids default to the row number across all files.
+
+    With dataset.bad_rows=skip, a row that fails a check stays in its place with a `rejected` column saying why
+    (launcher/ledger/rejected.py): the plan sets it aside, and no later row moves to another shard."""
+    from launcher.ledger import rejected
     from launcher.ledger.prompts_fast import fast_batches
 
     files, start, ids = source_files(src.path), 0, []
-    refs, keep = None, src.row_settings
+    refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
+    schema = SCHEMA.append(rejected.FIELD) if skip else SCHEMA
     if src.image_column:
         from launcher.ledger.references import References
 
         refs = References(src, files)
+    if src.keep_columns:  # after the references: a second attacher, row for row (launcher/ledger/keep.py)
+        from launcher.ledger.keep import Kept
+
+        refs = _Both(refs, Kept(src, files))
+
+    def out(b: pa.RecordBatch, at: int) -> pa.RecordBatch:
+        if skip:
+            b = rejected.marked(b, at, src.late)
+            ids.append(rejected.good_ids(b)) if src.id_column else None
+        elif src.id_column:
+            ids.append(b.column(0))
+        return _attached(refs, _settings_dropped(b, keep))
+
     for f in files:
         done = 0
         try:
             for b in fast_batches(f, src, start):
+                yield out(b, start + done)
                 done += b.num_rows
-                ids.append(b.column(0)) if src.id_column else None
-                yield _attached(refs, _settings_dropped(b, keep))
         except _GiveUp:
             try:
-                for b in _batches(_exact_rows(f, src, start), skip=done):
-                    ids.append(b.column(0)) if src.id_column else None
+                for b in _batches(_exact_rows(f, src, start), skip=done, schema=schema):
+                    yield out(b, start + done)
                     done += b.num_rows
-                    yield _attached(refs, _settings_dropped(b, keep))
             except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
                 raise ConfigError(unreadable(f, e)) from None
         start += done
     if start == 0:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if ids:
-        _check_unique(pa.chunked_array(ids, pa.string()), src, files)
+        all_ids = pa.chunked_array(ids, pa.string())
+        if skip:
+            rejected.check_unique(all_ids, src)  # raises Recheck naming the rows to set aside, if any
+        else:
+            _check_unique(all_ids, src, files)
         if src.images_per_prompt > 1 or src.variants:
             from launcher.ledger.shards import check_sample_ids
 
             where, n = f"dataset {src.path}", src.images_per_prompt
-            check_sample_ids((i.as_py() for c in ids for i in c), n, where, src.variants)
+            ok = (i.as_py() for c in ids for i in c if i.is_valid)
+            check_sample_ids(ok, n, where, src.variants)
 
 
 def _attached(refs, b: pa.RecordBatch) -> pa.RecordBatch:
     return refs.attach(b) if refs else b
+
+
+@dataclass
+class _Both:
+    refs: object
+    kept: object
+
+    def attach(self, b: pa.RecordBatch) -> pa.RecordBatch:
+        return self.kept.attach(_attached(self.refs, b))
 
 
 def _settings_dropped(b: pa.RecordBatch, keep: bool) -> pa.RecordBatch:
@@ -153,43 +185,22 @@ class _GiveUp(Exception):
     """The fast reader cannot judge this file; the exact one reads it."""
 
 
-def _batches(rows: Iterator[dict], skip: int = 0) -> Iterator[pa.RecordBatch]:
+def _batches(rows: Iterator[dict], skip: int = 0, schema: pa.Schema = SCHEMA) -> Iterator[pa.RecordBatch]:
     chunk = []
     for n, r in enumerate(rows):
         if n >= skip:
             chunk.append(r)
         if len(chunk) == BATCH_ROWS:
-            yield pa.RecordBatch.from_pylist(chunk, schema=SCHEMA)
+            yield pa.RecordBatch.from_pylist(chunk, schema=schema)
             chunk = []
     if chunk:
-        yield pa.RecordBatch.from_pylist(chunk, schema=SCHEMA)
+        yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 
 
 def _exact_rows(f: str, src: Source, start: int) -> Iterator[dict]:
-    col, id_col = src.prompt_column, src.id_column
-    for n, (where, r) in enumerate(_raw_rows(f, col, id_col), start):
-        prompt = r.get(col)
-        if col not in r:
-            raise ConfigError(
-                f"{where} has no prompt column {col!r} (dataset.prompt_column); "
-                f"columns found: {', '.join(map(str, r)) or 'none'}"
-            )
-        if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: the prompt ({col!r}) is {_kind(prompt)}, not text; fix that row")
-        if too_long := text_problem(f"the prompt ({col!r})", prompt):
-            raise ConfigError(f"{where}: {too_long}")
-        if id_col and r.get(id_col) is None:
-            raise ConfigError(
-                f"{where} has no id column {id_col!r} (dataset.id_column); "
-                f"columns found: {', '.join(map(str, r))}; fix the row or set dataset.id_column=null"
-            )
-        row = {"id": str(r[id_col]) if id_col else str(n), "prompt": prompt}
-        row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
-        if src.sizes and ("height" in row or "width" in row):
-            problem = src.sizes.problem(row.get("height", src.sizes.height), row.get("width", src.sizes.width))
-            if problem:
-                raise ConfigError(f"{where}: {problem} (or leave the row's height and width empty)")
-        yield row
+    from launcher.ledger.prompts_exact import exact_rows
+
+    return exact_rows(f, src, start)
 
 
 def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
@@ -312,40 +323,3 @@ def _raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]
     from launcher.ledger.prompts_raw import raw_rows
 
     return raw_rows(f, col, id_col)
-
-
-_NEEDS = {
-    "seed": "an integer from 0 to 2**63-1",
-    "num_inference_steps": f"an integer from {STEPS[0]} to {STEPS[1]}",
-    "guidance_scale": f"a finite number from {GUIDANCE[0]:g} to {GUIDANCE[1]:g}",
-    "negative_prompt": "text",
-}
-
-
-def _override(where: str, key: str, value):
-    """A per-row override as the pipeline needs it, or a one-line error naming the row and the column."""
-    raw = value
-    try:
-        if key in _INT_COLUMNS:
-            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            value = int(value)
-            ok = 0 <= value < 2**63 if key == "seed" else value >= 1
-            ok = ok and not (key == "num_inference_steps" and steps_problem(value))
-        elif key == "guidance_scale":
-            value = float(value)
-            ok = not guidance_problem(value)
-        else:
-            ok = isinstance(value, str)
-            if ok and (too_long := text_problem(f"column {key!r}", value)):
-                raise ConfigError(f"{where}: {too_long}")
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        need = _NEEDS.get(key, "an integer of 1 or more")
-        raise ConfigError(f"{where}: column {key!r} is {raw!r}; it must be {need} (or empty, to use the config's)")
-    return value
-
-
-def _kind(value) -> str:
-    return "missing (null)" if value is None else f"of type {type(value).__name__}"

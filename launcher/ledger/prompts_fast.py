@@ -27,6 +27,7 @@ from launcher.ledger.prompts import (
     _suffix,
     filesystem,
 )
+from launcher.ledger.row_checks import CONTROL, ID_BYTES, LINE_BYTES
 
 _TYPES = {f.name: f.type for f in SCHEMA}
 _BLOCK = 1 << 22  # bytes per parsed block: large enough to amortise, small enough to stream
@@ -70,7 +71,11 @@ def _raw_batches(f: str, src: Source) -> Iterator[pa.RecordBatch]:
 def _txt(raw, col: str) -> Iterator[pa.RecordBatch]:
     with raw:
         chunk = []
-        for ln in io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None):
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
+        # At most LINE_BYTES characters a read (no more bytes than 4x that): a longer line is never held whole.
+        for ln in iter(lambda: text.readline(LINE_BYTES + 1), ""):
+            if len(ln) > LINE_BYTES:
+                raise _GiveUp("a line over LINE_BYTES")
             s = ln.strip()
             if s:
                 chunk.append(s)
@@ -98,7 +103,11 @@ def _jsonl(fs, p: str, src: Source) -> Iterator[pa.RecordBatch]:
     fields = {src.prompt_column: pa.string(), **{k: _TYPES[k] for k in OVERRIDE_COLUMNS}}
     if src.id_column:  # its type, from the first row: ids may be numbers or text (mixed ones go the exact way)
         with fs.open_input_stream(p) as s:
-            first = next((ln for ln in io.TextIOWrapper(s, encoding="utf-8-sig") if ln.strip()), "{}")
+            text = io.TextIOWrapper(s, encoding="utf-8-sig")
+            lines = iter(lambda: text.readline(LINE_BYTES + 1), "")
+            first = next((ln for ln in lines if ln.strip()), "{}")
+            if len(first) > LINE_BYTES:
+                raise _GiveUp("a line over LINE_BYTES")
         value = json.loads(first).get(src.id_column) if first.strip().startswith("{") else None
         fields[src.id_column] = pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
     options = pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore")
@@ -159,12 +168,16 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
     if not (pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type)) or prompt.null_count:
         raise _GiveUp("prompt")
     _check_length("prompt", prompt)
+    for col in raw.columns:  # pyarrow's JSON and Parquet readers do not check that text is UTF-8
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            col.validate(full=True)  # ArrowInvalid: the exact reader names the line
     if src.id_column:
         ids = raw.column(src.id_column) if src.id_column in names else pa.nulls(n)
         ok = pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) or pa.types.is_integer(ids.type)
         if not ok or ids.null_count:
             raise _GiveUp("ids")
         ids = ids.cast(pa.string())
+        _check_ids(ids)
     else:
         rows = np.arange(start, start + n, dtype=np.int64)  # from its buffer: pa.array() would import pandas
         ids = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(rows)]).cast(pa.string())
@@ -181,6 +194,16 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
         if pc.any(pc.or_(bad, pc.greater(pc.multiply(h, w), r.max_pixels))).as_py():
             raise _GiveUp("sizes")
     return batch
+
+
+def _check_ids(ids: pa.Array) -> None:
+    """Give up on an id that cannot name a file (launcher/ledger/row_checks.py id_problem words why)."""
+    size = pc.binary_length(ids)
+    low, high = pc.min_max(size).values()
+    if len(ids) and (low.as_py() == 0 or high.as_py() > ID_BYTES):
+        raise _GiveUp("ids")
+    if pc.any(pc.match_substring_regex(ids, CONTROL)).as_py():
+        raise _GiveUp("ids")
 
 
 def _not_multiple(a: pa.Array, m: int) -> pa.Array:

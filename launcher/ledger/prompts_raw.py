@@ -13,6 +13,7 @@ import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
 from launcher.ledger.prompts import OVERRIDE_COLUMNS, _suffix, filesystem
+from launcher.ledger.row_checks import LINE_BYTES, Bad, line_problem
 
 
 def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
@@ -27,37 +28,48 @@ def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]
     lines = _lines(f)
     if suffix == ".txt":
         for n, ln in lines:
-            if ln.strip():
+            if isinstance(ln, Bad):
+                yield f"dataset {f}, line {n}", ln
+            elif ln.strip():
                 yield f"dataset {f}, line {n}", {col: ln.strip()}
     elif suffix == ".jsonl":
         for n, ln in lines:
+            if isinstance(ln, Bad):
+                yield f"dataset {f}, line {n}", ln
+                continue
             if not ln.strip():
                 continue
             try:
                 obj = json.loads(ln)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"dataset {f}, line {n}: malformed JSON ({e.msg}); fix or remove that line") from None
+                yield f"dataset {f}, line {n}", Bad(f"malformed JSON ({e.msg}); fix or remove that line")
+                continue
             if not isinstance(obj, dict):
                 got = ln.strip()[:40]
-                raise ConfigError(f"dataset {f}, line {n}: expected a JSON object {{...}}, got {got}; fix that line")
+                obj = Bad(f"expected a JSON object {{...}}, got {got}; fix that line")
             yield f"dataset {f}, line {n}", obj
     else:
         yield from _csv(f, col)
 
 
-def _lines(f: str) -> Iterator[tuple[int, str]]:
+def _lines(f: str) -> Iterator[tuple[int, str | Bad]]:
     """Numbered lines without their ends: universal newlines (\\n, \\r\\n, \\r) but not str.splitlines(), which
     also splits at U+2028 and friends, which may stand unescaped inside a JSON string or a quoted CSV field.
-    Decoded line by line, so a byte that is not UTF-8 is named by its own line."""
+    Decoded line by line, so a byte that is not UTF-8 is named by its own line (a Bad in its place), as is a line
+    longer than LINE_BYTES, which is never held whole."""
     fs, p = filesystem(f)
     n = 0
     for part in _byte_lines(fs, p):
+        if part is None:
+            n += 1
+            yield n, Bad(line_problem(n))
+            continue
         try:
             text = part.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"dataset {f}, line {n + 1}: not UTF-8 text ({e.reason}); save the file as UTF-8"
-            ) from None
+            n += 1
+            yield n, Bad(f"not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8")
+            continue
         if n == 0:
             text = text.removeprefix("\ufeff")  # spreadsheet exports often start with a byte-order mark
         for line in text.removesuffix("\r").split("\r"):
@@ -65,41 +77,80 @@ def _lines(f: str) -> Iterator[tuple[int, str]]:
             yield n, line
 
 
-def _byte_lines(fs, p: str) -> Iterator[bytes]:
+def _byte_lines(fs, p: str) -> Iterator[bytes | None]:
+    """The file's lines as bytes; None for a line over LINE_BYTES, whose bytes are dropped as they are read."""
     with fs.open_input_stream(p) as raw:
-        head: list[bytes] = []  # a line's pieces so far: joined once, so a 100 MB line costs no quadratic copying
+        head: list[bytes] = []  # a line's pieces so far: joined once, so a long line costs no quadratic copying
+        held = 0  # bytes in head; -1 once the line is over the bound (its further pieces are dropped)
         while chunk := raw.read(1 << 20):
             parts = chunk.split(b"\n")
-            if len(parts) > 1:
-                yield b"".join([*head, parts[0]])
-                yield from parts[1:-1]
-                head = []
-            head.append(parts[-1])
-        if rest := b"".join(head):
+            for k, piece in enumerate(parts):
+                if held >= 0:
+                    head.append(piece)
+                    held += len(piece)
+                    if held > LINE_BYTES:
+                        head, held = [], -1
+                if k < len(parts) - 1:  # a line ends here
+                    yield b"".join(head) if held >= 0 else None
+                    head, held = [], 0
+        if held < 0:
+            yield None
+        elif rest := b"".join(head):
             yield rest
 
 
-def _csv(f: str, col: str) -> Iterator[tuple[str, dict]]:
-    reader = csv.reader(line + "\n" for _, line in _lines(f))
+def _csv(f: str, col: str) -> Iterator[tuple[str, dict | Bad]]:
+    bad: dict[int, str] = {}  # line -> why it is no text: the csv module sees an empty line in its place
+
+    def texts():
+        for n, line in _lines(f):
+            if isinstance(line, Bad):
+                bad[n] = line.reason
+                line = ""
+            yield line + "\n"
+
+    reader = csv.reader(texts())
     try:
         header = next(reader, None)
-        if header and col not in header:  # say so even when the file has a header and no rows
-            raise ConfigError(
-                f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(header)}"
-            )
-        for values in reader:
-            if not values:  # a blank line
-                continue
-            if len(values) != len(header):
-                raise ConfigError(
-                    f"dataset {f}, line {reader.line_num}: expected {len(header)} fields "
-                    f"({', '.join(header)}), got {len(values)}; fix that line (quote fields that hold commas)"
-                )
-            # CSV has no types: empty cells are missing values; numbers are checked and converted later.
-            row = {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in zip(header, values, strict=True)}
-            yield f"dataset {f}, line {reader.line_num}", row
     except csv.Error as e:
-        raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV ({e}); fix that line") from None
+        raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV header ({e}); fix that line") from None
+    if header and col not in header:  # say so even when the file has a header and no rows
+        raise ConfigError(
+            f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(header)}"
+        )
+    if bad:
+        raise ConfigError(f"dataset {f}, line 1: {next(iter(bad.values()))}")
+    last = reader.line_num
+    while True:
+        try:
+            values = next(reader, None)
+        except csv.Error as e:
+            values = Bad(f"malformed CSV ({e}); fix that line")
+        if values is None:
+            return
+        where = f"dataset {f}, line {reader.line_num}"
+        span = [n for n in bad if last < n <= reader.line_num]  # the record's lines, one of them no text
+        last = reader.line_num
+        if span:
+            yield f"dataset {f}, line {span[0]}", Bad(bad[span[0]])
+        elif isinstance(values, Bad):
+            yield where, values
+        elif not values:  # a blank line
+            continue
+        elif len(values) != len(header):
+            yield (
+                where,
+                Bad(
+                    f"expected {len(header)} fields ({', '.join(header)}), got {len(values)}; "
+                    "fix that line (quote fields that hold commas)"
+                ),
+            )
+        else:
+            # CSV has no types: empty cells are missing values; numbers are checked and converted later.
+            cells = zip(header, values, strict=True)
+            yield where, {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in cells}
+        for n in span:
+            del bad[n]
 
 
 def _wanted(names: list[str], col: str, id_col: str | None, f: str) -> list[str]:
@@ -120,13 +171,34 @@ def _parquet(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]
         wanted = _wanted(pf.schema_arrow.names, col, id_col, f)
         n = 0
         for batch in pf.iter_batches(columns=wanted, batch_size=65536):
-            for r in batch.to_pylist():
+            for r in rows_of(batch):
                 yield f"dataset {f}, row {n}", r
                 n += 1
     except ConfigError:
         raise
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise ConfigError(f"dataset {f}: not a readable Parquet file ({first_line(e)}); rewrite it") from None
+
+
+def rows_of(batch) -> list[dict | Bad]:
+    """A batch's rows as dicts. Parquet and Arrow files do not guarantee that their text is UTF-8: a value that is
+    not makes its row a Bad one, not the whole file unreadable."""
+    import pyarrow as pa
+
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    text = [i for i, t in enumerate(batch.schema.types) if pa.types.is_string(t) or pa.types.is_large_string(t)]
+    for i in text:
+        batch = batch.set_column(i, batch.schema.names[i], batch.column(i).cast(pa.binary()))
+    out = []
+    for r in batch.to_pylist():
+        try:
+            out.append({k: v.decode() if i in text and v is not None else v for i, (k, v) in enumerate(r.items())})
+        except UnicodeDecodeError as e:
+            out.append(Bad(f"a text column holds bytes that are not UTF-8 ({e.reason}); rewrite that row as UTF-8"))
+    return out
 
 
 def saved_dataset_files(folder: str) -> list[str]:
@@ -147,7 +219,7 @@ def _saved_dataset(folder: str, col: str, id_col: str | None) -> Iterator[tuple[
                 reader = pa.ipc.open_stream(fh)
                 wanted = _wanted(reader.schema.names, col, id_col, folder)
                 for batch in reader:
-                    for r in batch.select(wanted).to_pylist():
+                    for r in rows_of(batch.select(wanted)):
                         yield f"dataset {folder}, row {n}", r
                         n += 1
     except ConfigError:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from launcher.errors import ConfigError
+from launcher.ledger.reference_checks import check_image, check_output_size, hash_file
 
 REF_FIELDS = [pa.field("ref_sha256", pa.string()), pa.field("ref_loc", pa.string())]
 
@@ -118,45 +119,6 @@ def _entries(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def check_image(head, where: str, what: str, max_pixels: int) -> tuple[int, int]:
-    """(width, height) from an image's header, or a one-line error: not an image, or over the pixel limit."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(head) as im:
-            w, h = im.size
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ConfigError(f"{where}: reference {what} is not an image ({e}); fix that row") from None
-    if w * h > max_pixels:
-        raise ConfigError(
-            f"{where}: reference {what} is {w}x{h} ({w * h / 2**20:.1f} megapixels), more than the "
-            f"{max_pixels / 2**20:.1f} this model family takes; downscale it"
-        )
-    return w, h
-
-
-def _hash_file(path: str, where: str, max_pixels: int) -> tuple[str, tuple[int, int]]:
-    from launcher.ledger.prompts import filesystem
-
-    try:
-        fs, p = filesystem(path)
-        with fs.open_input_file(p) as fh:
-            h = hashlib.sha256()
-            while chunk := fh.read(_CHUNK):
-                h.update(chunk)
-            fh.seek(0)
-            size = check_image(fh, where, path, max_pixels)
-    except ConfigError:
-        raise
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{where}: reference {path} does not exist; fix the path (relative paths start at the source file's folder)"
-        ) from None
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise ConfigError(f"{where}: reference {path} cannot be read ({e}); fix the path or its permissions") from None
-    return h.hexdigest(), size
-
-
 def plan_row(where: str, f: str, n: int, value, base: str, src) -> tuple[list[str], list[dict], tuple[int, int]]:
     """One row's references: their hashes, locations and the first one's (width, height); checked."""
     entries = [e for e in _entries(value) if e is not None]
@@ -173,7 +135,8 @@ def plan_row(where: str, f: str, n: int, value, base: str, src) -> tuple[list[st
     for k, e in enumerate(entries):
         if isinstance(e, dict) and e.get("bytes") is not None:
             data = e["bytes"]
-            sha, size = hashlib.sha256(data).hexdigest(), check_image(io.BytesIO(data), where, f"#{k}", max_pixels)
+            sha = hashlib.sha256(data).hexdigest()
+            size = check_image(io.BytesIO(data), where, f"#{k}", max_pixels, len(data))
             # Lineage names the source row (its file and row): a stored image's own `path` is only a file name.
             locs.append({"path": stored_name(f, n, k), "src": [f, src.image_column, n, k]})
         else:
@@ -181,7 +144,7 @@ def plan_row(where: str, f: str, n: int, value, base: str, src) -> tuple[list[st
             if not isinstance(rel, str) or not rel:
                 raise ConfigError(f"{where}: reference #{k} is {rel!r}, not an image struct or a path; fix that row")
             path = resolve(rel, base)
-            sha, size = _hash_file(path, where, max_pixels)
+            sha, size = hash_file(path, where, max_pixels)
             locs.append({"path": path, "src": path})
         shas.append(sha)
         first = first or size
@@ -196,23 +159,37 @@ class References:
         self._rows = ((f, _base_dir(f), row) for f in files for row in column_rows(f, src.image_column))
 
     def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """With dataset.bad_rows=skip, a row whose references fail a check is rejected (launcher/ledger/rejected.py)
+        rather than refused; a row rejected already reads none."""
+        from launcher.ledger.rejected import FIELD, rejected_row
+
         shas, locs, heights, widths = [], [], [], []
         names = batch.schema.names
         h_in, w_in = batch.column(names.index("height")).to_pylist(), batch.column(names.index("width")).to_pylist()
+        marks = batch.column(names.index(FIELD.name)).to_pylist() if FIELD.name in names else None
+        ids = batch.column(0).to_pylist()
         for i in range(batch.num_rows):
             f, base, (where, n, value) = next(self._rows)
-            s, loc, (w, h) = plan_row(where, f, n, value, base, self.src)
+            h, w = h_in[i], w_in[i]
+            s, loc = [], []
+            if marks is None or marks[i] is None:
+                try:
+                    s, loc, (w_ref, h_ref) = plan_row(where, f, n, value, base, self.src)
+                    if self.src.size_from_reference and h is None and w is None:
+                        h, w = fit_size(h_ref, w_ref, self.src.sizes)
+                    check_output_size(where, h, w, self.src.sizes)
+                except ConfigError as e:
+                    if marks is None:
+                        raise
+                    marks[i], s, loc = rejected_row(where, 0, ids[i], str(e))["rejected"], [], []
             shas.append(" ".join(s))
             locs.append(json.dumps(loc))
-            if self.src.size_from_reference and h_in[i] is None and w_in[i] is None:
-                h, w = fit_size(h, w, self.src.sizes)
-                heights.append(h)
-                widths.append(w)
-            else:
-                heights.append(h_in[i])
-                widths.append(w_in[i])
+            heights.append(h)
+            widths.append(w)
         cols = dict(zip(names, batch.columns, strict=True))
         cols["height"], cols["width"] = pa.array(heights, pa.int64()), pa.array(widths, pa.int64())
+        if marks is not None:
+            cols[FIELD.name] = pa.array(marks, pa.string())
         arrays = [cols[n] for n in names] + [pa.array(shas, pa.string()), pa.array(locs, pa.string())]
         return pa.RecordBatch.from_arrays(arrays, schema=batch.schema.append(REF_FIELDS[0]).append(REF_FIELDS[1]))
 

@@ -29,28 +29,45 @@ def record_kept(store: Store, shards: dict[int, str]) -> None:
             store.write_json(state_rel(i), {**state, KEPT: fingerprint})
 
 
-def changed_ids(store: Store | None, index: int, table: pa.Table) -> tuple[list[str], bool]:
-    """(the prompt ids of shard `index` whose prompt changed, was added or removed; whether the change looks like
-    shifted row numbers: most changed prompts are still there, under other ids)."""
+def changed_ids(store: Store | None, index: int, table: pa.Table) -> tuple[list[str], bool, list[str]]:
+    """(the prompt ids of shard `index` whose prompt or reference images changed, were added or removed; whether the
+    change looks like shifted row numbers: most changed prompts are still there, under other ids; the references
+    whose content changed, by path, where a row's prompt did not)."""
     if store is None:
-        return [], False
+        return [], False, []
     try:
         old = store.parquet(f"{DATA_DIR}/shard-{index:05d}.parquet")
         names = old.schema_arrow.names
         key = "prompt_id" if "prompt_id" in names else "id"
-        rows = old.read(columns=[key, "prompt"]).to_pylist()
+        rows = old.read(columns=[key, "prompt", *(["reference"] if "reference" in names else [])]).to_pylist()
     except (OSError, ValueError, pa.ArrowException):
-        return [], False  # no data to compare (image files only): the message names the shard alone
+        return [], False, []  # no data to compare (image files only): the message names the shard alone
     before = {r[key]: r["prompt"] for r in rows}
+    refs_before = {r[key]: r.get("reference") or [] for r in rows}
     now = dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist(), strict=True))
+    shas = table.column("ref_sha256").to_pylist() if "ref_sha256" in table.schema.names else [None] * len(now)
+    refs = []  # an edit job: the same instruction over another image is a change of its own
+    for i, sha in zip(now, shas, strict=True):
+        old_refs = refs_before.get(i)
+        if sha and old_refs is not None and before.get(i) == now[i]:
+            refs += [r["path"] for r, s in zip(old_refs, sha.split(), strict=False) if r["sha256"] != s]
     changed = [i for i in now if before.get(i) != now[i]] + [i for i in before if i not in now]
+    changed += [
+        i for i, sha in zip(now, shas, strict=True) if sha and i not in changed and _refs_differ(refs_before, i, sha)
+    ]
     moved = sum(1 for i in changed if i in now and now[i] in before.values())
-    return changed, len(changed) > 1 and moved * 2 >= len(changed)
+    return changed, len(changed) > 1 and moved * 2 >= len(changed), refs
 
 
-def stale_message(cfg, stale: dict[int, tuple[list[str], bool] | None]) -> str:
-    """The refusal of a run over stale shards (shard -> (changed ids, shifted?), None where not looked at)."""
+def _refs_differ(before: dict, rid: str, sha: str) -> bool:
+    return rid in before and [r["sha256"] for r in before[rid]] != sha.split()
+
+
+def stale_message(cfg, stale: dict[int, tuple[list[str], bool, list[str]] | None]) -> str:
+    """The refusal of a run over stale shards (shard -> (changed ids, shifted?, changed references), None where not
+    looked at)."""
     ids = [i for found in stale.values() if found for i in found[0]]
+    refs = [r for found in stale.values() if found for r in found[2]]
     unread = any(found is None for found in stale.values())
     named = ""
     if ids:
@@ -62,8 +79,11 @@ def stale_message(cfg, stale: dict[int, tuple[list[str], bool] | None]) -> str:
             "; the prompts look shifted, as by a line inserted or deleted before them (ids are row numbers): "
             "set dataset.id_column to a column of stable ids so that done work keeps its ids"
         )
+    what = "their prompts changed"
+    if refs:
+        what = f"their reference images changed ({', '.join(refs[:SHOWN])}{' and more' if len(refs) > SHOWN else ''})"
     return (
-        f"shards {sorted(stale)} are done but their prompts changed since{named}{shifted}; rerun with "
+        f"shards {sorted(stale)} are done but {what} since{named}{shifted}; rerun with "
         "run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
     )
 

@@ -17,6 +17,7 @@ import gzip
 import json
 import logging
 import re
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher.errors import ConfigError
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, CLAIMS_DIR = "state", "data", "images", "webdataset", "claims"
 INDEX = f"{STATE_DIR}/index.json.gz"
 READERS = 32  # parallel reads of changed state files (object stores answer each in tens of ms)
+# What the index may inflate to: a slim state is well under 1 KiB (a shard's image folder is one entry), so 16 KiB
+# per listed state file is generous; more than that is a damaged (or hostile) index, never inflated.
+INDEX_BYTES_PER_STATE, INDEX_BYTES_BASE = 16 * 1024, 1024 * 1024
+SAMPLES_KEPT = 20  # sample ids a failed state names (the batch that failed, the first ones)
 
 
 def state_rel(shard_index: int) -> str:
@@ -57,6 +62,9 @@ _FIELDS = {
     "run_id": _STR,
     "attempt": _STR,
     "error": _STR,
+    "error_class": _STR,
+    "attempts": _INT,
+    "samples": {list, type(None)},
     "stages": {dict, type(None)},
     "files": {dict, type(None)},  # name -> [size, sha256] (the index keeps [size]): see launcher/ledger/verify.py
 }
@@ -126,7 +134,7 @@ class Ledger:
             if m and info.base_name == state_rel(int(m[1])).rsplit("/", 1)[1]:  # shard-1.json is not ours
                 listed[int(m[1])] = (info.mtime_ns, info.size)
         if not self._index_read:
-            self._read_index()
+            self._read_index(INDEX_BYTES_BASE + INDEX_BYTES_PER_STATE * len(listed))
         for i in set(self._keys) - set(listed):
             self.states.pop(i, None), self.damaged.pop(i, None), self._keys.pop(i)
         todo = [i for i, key in listed.items() if self._keys.get(i) != key]
@@ -155,12 +163,12 @@ class Ledger:
             )
         self.damaged[i] = why
 
-    def _read_index(self) -> None:
+    def _read_index(self, limit: int) -> None:
         self._index_read = True
         data = self.store.read_bytes(INDEX)
         try:
-            entries = _index_entries(json.loads(gzip.decompress(data))) if data else {}
-        except (OSError, ValueError, EOFError, TypeError) as e:  # damaged: it is only a cache, read the files
+            entries = _index_entries(json.loads(inflate(data, limit))) if data else {}
+        except (OSError, ValueError, EOFError, TypeError, zlib.error) as e:  # damaged: a cache only, read the files
             logger.warning("%s is damaged (%s); reading the state files instead", self.store.url(INDEX), e)
             entries = {}
         for i, (key, state) in entries.items():
@@ -175,6 +183,37 @@ class Ledger:
         index = {"version": 1, "states": {str(i): [list(self._keys[i]), s] for i, s in sorted(self.states.items())}}
         self.store.write_bytes(INDEX, gzip.compress(json.dumps(index, separators=(",", ":")).encode(), 6))
         self._index_keys = dict(self._keys)
+
+
+def inflate(data: bytes, limit: int) -> bytes:
+    """`data` gunzipped, or ValueError once it would inflate past `limit` bytes (a gzip bomb costs `limit`, not
+    its size). One gzip member: the index is written as one."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = d.decompress(data, limit + 1)
+    if len(out) > limit:
+        raise ValueError(f"it inflates past {limit} bytes, more than {INDEX_BYTES_PER_STATE} per listed state file")
+    if not d.eof:
+        raise EOFError("it ends before its gzip stream does")
+    return out
+
+
+def attempts_of(prev: dict | None, state: dict) -> int:
+    """How many attempts in a row, this one included, ended as `state` did: for a failed one, those that failed
+    with its error class (a different error starts the count again); for a done one, those it took."""
+    if prev is None or prev.get("status") != "failed":
+        return 1
+    before = prev.get("attempts") or 1
+    if state.get("status") == "done" or prev.get("error_class") == state.get("error_class"):
+        return before + 1
+    return 1
+
+
+def exhausted(states: dict[int, dict], status: dict[int, str], max_attempts: int) -> list[int]:
+    """Failed shards that failed `max_attempts` times in a row with the same error class: `run.shards=pending`
+    leaves them failed (a row that cannot be generated fails every night); `run.shards=failed` retries them."""
+    return sorted(
+        i for i, st in status.items() if st == "failed" and ((states.get(i) or {}).get("attempts") or 0) >= max_attempts
+    )
 
 
 def _index_entries(index) -> dict[int, tuple[tuple, dict]]:
@@ -205,8 +244,9 @@ def read_states(store: Store) -> dict[int, dict]:
     return Ledger(store).refresh()
 
 
-def select_shards(status: dict[int, str], spec, stale: str = "error") -> list[int]:
-    """The shard indices to generate now, per `run.shards` and `run.stale`."""
+def select_shards(status: dict[int, str], spec, stale: str = "error", held: frozenset = frozenset()) -> list[int]:
+    """The shard indices to generate now, per `run.shards` and `run.stale`; `held`: failed shards that
+    `run.shards=pending` does not retry (`exhausted`)."""
     stale_ids = [i for i, st in status.items() if st == "stale"]
     if stale_ids and stale == "error" and spec != "all":
         raise ConfigError(
@@ -220,7 +260,7 @@ def select_shards(status: dict[int, str], spec, stale: str = "error") -> list[in
     want = {"pending": ("pending", "failed", "grown", "damaged"), "failed": ("failed",)}[spec]
     if stale == "regenerate":
         want = (*want, "stale")
-    return sorted(i for i, st in status.items() if st in want)
+    return sorted(i for i, st in status.items() if st in want and (spec != "pending" or i not in held))
 
 
 def clean_tmp(store: Store, shard_index: int | None = None) -> None:

@@ -1,7 +1,9 @@
-"""Writing off the critical path: finished shards are encoded and written by a writer process.
+"""Writing off the critical path: each batch's images are encoded and written by a writer process as they are made.
 
-Generation hands a shard over and goes on; it waits only when `output.queue_shards` shards are already
-waiting (backpressure), and that wait is measured. The work itself runs in a spawned writer process: image
+Generation hands each batch over (`add`) and goes on, then the shard's outcome (`submit`); it waits only when
+`output.queue_shards` batches or shard ends are already waiting (backpressure), and that wait is measured. So a
+worker holds a few batches of images, never a shard's (launcher/worker/stream.py writes them as they come).
+The work itself runs in a spawned writer process (launcher/worker/writer_process.py): image
 encoding (0.1-0.3 s per 1024x1024 PNG on one core, 4 ms per JPEG, 50 ms per WebP; see launcher/worker/encode.py),
 spread over `encode_workers` processes that scale with the host's cores, Parquet and file writes, uploads.
 The generating process keeps only a thread that hands each shard over and then writes its state file, so file
@@ -12,31 +14,28 @@ state file, written last.
 
 from __future__ import annotations
 
-import importlib.abc
 import logging
 import multiprocessing
 import multiprocessing.util
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import numpy as np
 from omegaconf import OmegaConf
 
-from launcher.errors import die_with_parent, unwritable
+from launcher.errors import unwritable
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
 from launcher.logs import SHARD_EVENTS
-from launcher.worker.encode import Encoding, encode
-from launcher.worker.writer import delete_shard_files, warm_up, write_shard
+from launcher.worker.writer import delete_shard_files
+from launcher.worker.writer_process import _abort, _add_batch, _finish, _start_writer, _stop_encoders
 
 logger = logging.getLogger(__name__)
 events = logging.getLogger(SHARD_EVENTS)
@@ -46,10 +45,18 @@ events = logging.getLogger(SHARD_EVENTS)
 class ShardJob:
     index: int
     name: str
-    samples: list[dict]  # row fields plus "pixels" (uint8 HxWx3); empty when generation failed
+    samples: list[dict]  # row fields plus "pixels" (uint8 HxWx3) not handed over by `add`; empty when it failed
     state: dict  # status, timings, error: completed by the writer
-    order: dict[str, int] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)  # the order of `samples`
     queued: threading.Event = field(default_factory=threading.Event)
+    prev: dict | None = None  # the shard's state before this attempt: how many attempts failed alike (`attempts`)
+
+
+@dataclass
+class _Batch:
+    index: int
+    name: str
+    samples: list[dict]  # row fields plus "pixels"
 
 
 def default_encode_workers(writers_on_host: int) -> int:
@@ -71,6 +78,9 @@ class BackgroundWriter:
         on_lost(shard): it was taken over, and this writer left it alone."""
         self.store, self.on_recorded, self.still_held, self.on_lost = store, on_recorded, still_held, on_lost
         self.failed: list[int] = []
+        self.held_images = self.peak_images = 0  # images handed over and not yet written, and the most at once
+        self._open: set[int] = set()  # shards with batches handed over and no end yet
+        self._broken: dict[int, BaseException] = {}  # shard -> the error that stopped its files being written
         self.out_of_space = False  # a write found the output full: generating more would only fail too
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, output_cfg.queue_shards))
         # spawn, not fork: this process holds threads and process groups that a fork would copy half-alive.
@@ -90,20 +100,33 @@ class BackgroundWriter:
         pool.submit(int)  # start it now, while the model loads: it spawns, imports and warms up (~1 s of CPU)
         return pool
 
+    def add(self, index: int, name: str, samples: list[dict]) -> float:
+        """Hand one batch's samples of shard `index` over (written under temporary names until its `submit`);
+        the seconds spent waiting for room in the queue."""
+        self.held_images += len(samples)
+        self.peak_images = max(self.peak_images, self.held_images)
+        return self._put(_Batch(index, name, samples))
+
     def submit(self, job: ShardJob) -> float:
-        """Queue a shard for writing; the seconds spent waiting for room in the queue."""
+        """Queue a shard's end (and any samples not handed over by `add`); the seconds spent waiting for room."""
+        self.held_images += len(job.samples)
+        self.peak_images = max(self.peak_images, self.held_images)
+        waited = self._put(job)
+        stages = job.state.setdefault("stages", {})
+        stages["writer_wait"] = round(stages.get("writer_wait", 0.0) + waited, 4)
+        job.queued.set()  # the state is complete: the writer may now record it
+        return waited
+
+    def _put(self, item) -> float:
         t0 = time.perf_counter()
         while True:  # never wait forever on a writer that died
             self._raise_if_failed()
             try:
-                self._queue.put(job, timeout=1.0)
+                self._queue.put(item, timeout=1.0)
                 break
             except queue.Full:
                 continue
-        waited = time.perf_counter() - t0
-        job.state.setdefault("stages", {})["writer_wait"] = round(waited, 4)
-        job.queued.set()  # the state is complete: the writer may now record it
-        return waited
+        return time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:
         # Until close(), the thread ends only by failing, and it sets `fatal` before it ends.
@@ -113,30 +136,64 @@ class BackgroundWriter:
     def _loop(self) -> None:
         try:
             while (job := self._queue.get()) is not None:
-                self._record(job)
+                self._stream(job) if isinstance(job, _Batch) else self._record(job)
+                job = None  # not held while waiting for the next one
         except BaseException as e:  # the state of a shard could not be written: stop, loudly
             self.fatal = e
             logger.exception("the shard writer failed")
 
+    def _begin(self, index: int) -> None:
+        # A shard being regenerated stops being done before its files change: a crash in between leaves it
+        # pending, never "done" with a mix of old and new files.
+        if index not in self._open:
+            self._open.add(index)
+            self.store.delete(ledger.state_rel(index))
+
+    def _stream(self, b: _Batch) -> None:
+        n, samples, b.samples = len(b.samples), b.samples, []
+        try:
+            if b.index not in self._broken and self.still_held(b.index):
+                self._begin(b.index)
+                self._process.submit(_add_batch, b.name, samples).result()
+        except Exception as e:  # said when the shard ends: it fails, and its later batches are dropped
+            self._broken[b.index] = e
+            if isinstance(e, BrokenProcessPool):
+                self._process = self._new_process()
+        finally:
+            self.held_images -= n
+
     def _record(self, job: ShardJob) -> None:
+        n = len(job.samples)
         if not self.still_held(job.index):  # taken over (we looked dead): its files are the new holder's
+            self._discard(job)
+            self._open.discard(job.index), self._broken.pop(job.index, None)
+            self.held_images -= n
             return self._lost(job)
         try:
-            # A shard being regenerated stops being done before its files change: a crash in between leaves it
-            # pending, never "done" with a mix of old and new files.
-            self.store.delete(ledger.state_rel(job.index))
+            self._begin(job.index)
+            if job.index in self._broken:
+                raise self._broken[job.index]
             self._write(job)
         except Exception as e:  # a write error fails that shard, never silently
             job.state.update(
-                status="failed", error=f"{type(e).__name__} while writing: {e}", traceback=traceback.format_exc()
+                status="failed",
+                error=f"{type(e).__name__} while writing: {e}",
+                error_class=type(e).__name__,
+                traceback="".join(traceback.format_exception(e)),
             )
             if unwritable(e):
                 self.out_of_space = job.state["out_of_space"] = True
                 logger.error("shard %d: %s takes no more writes (%s); this worker stops", job.index, self.store, e)
             if isinstance(e, BrokenProcessPool):  # the writer process or an encoder died (out of memory?)
                 self._process = self._new_process()
+        finally:
+            self._open.discard(job.index)
+            self._broken.pop(job.index, None)
+            self.held_images -= n
+            job.samples = []
         if job.state["status"] != "done":
             self.failed.append(job.index)
+            self._discard(job)
             try:  # no data of a failed shard stays readable
                 delete_shard_files(self.store, job.name)
             except OSError as e:  # said in its state; the shard is failed either way
@@ -145,6 +202,7 @@ class BackgroundWriter:
         if not self.still_held(job.index):  # taken over while we wrote: its state is the new holder's to write
             return self._lost(job)
         job.state["finished_at"] = time.time()
+        job.state["attempts"] = ledger.attempts_of(job.prev, job.state)
         try:
             self.store.write_json(ledger.state_rel(job.index), job.state)  # the store retries transient errors
         except OSError as e:
@@ -164,12 +222,21 @@ class BackgroundWriter:
         )
         self.on_lost(job.index)
 
+    def _discard(self, job: ShardJob) -> None:
+        """Drop what the writer process holds of the shard's files (their temporary names go with it)."""
+        try:
+            self._process.submit(_abort, job.name).result()
+        except Exception as e:  # noqa: BLE001 - a writer that died holds nothing any more
+            logger.warning("shard %d: its unfinished files could not be dropped: %s", job.index, e)
+
     def _write(self, job: ShardJob) -> None:
         if job.state["status"] != "done":
             return
         t0 = time.perf_counter()
-        job.samples.sort(key=lambda s: job.order[s["id"]])
-        job.state.update(self._process.submit(_write_files, job.name, job.samples).result())  # files, data_bytes
+        if job.samples:
+            job.samples.sort(key=lambda s: job.order[s["id"]])
+            self._process.submit(_add_batch, job.name, job.samples).result()
+        job.state.update(self._process.submit(_finish, job.name).result())  # files, data_bytes
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:
@@ -195,70 +262,3 @@ def _log_event(job: ShardJob) -> None:
         events.info("shard %d done: %d images in %.1f s", job.index, st["rows"], st["seconds"])
     else:
         events.warning("shard %d failed: %s", job.index, st.get("error", "").split("\n")[0])
-
-
-WRITER_NICENESS = 10  # added to the writer process's nice value (0 is the default, 19 the lowest priority)
-
-# The writer process's side: its output settings, store and encoders, set up once by _start_writer.
-_OUT: dict = {}
-
-
-class _WithoutPandas(importlib.abc.MetaPathFinder):
-    """pyarrow imports pandas, where installed, the first time it converts a Python list (Table.from_pylist), only
-    to check that the values are no pandas objects: 0.4 s of a writer process's start. The writer is given none."""
-
-    def find_spec(self, name: str, path=None, target=None) -> None:
-        if name.partition(".")[0] == "pandas":
-            raise ModuleNotFoundError("the writer process does without pandas", name=name)
-        return None
-
-
-def _start_writer(uri: str, output_cfg, encode_workers: int, parent: int) -> None:
-    """Initializer of the writer process: open the store, start the encoders, and pay every first-use cost now
-    (imports, pyarrow's first Parquet write) rather than while the second shard generates."""
-    die_with_parent(parent)
-    sys.meta_path.insert(0, _WithoutPandas())
-    # Below the generating process, and its encoders inherit it: where cores are short, a shard written a moment
-    # later costs nothing, while a denoising step delayed is throughput lost (the queue's backpressure bounds it).
-    os.nice(WRITER_NICENESS)
-    warm = (np.zeros((8, 8, 3), np.uint8), Encoding.from_config(output_cfg))
-    encoders = None
-    if encode_workers > 1:  # one encoder needs no pool: the writer process encodes itself
-        ctx = multiprocessing.get_context("spawn")
-        encoders = ProcessPoolExecutor(
-            encode_workers, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)
-        )
-        # Stopped before this process exits: multiprocessing joins children before the executor's own exit hook
-        # would tell them to stop, so without this a nested pool hangs the exit.
-        multiprocessing.util.Finalize(encoders, encoders.shutdown, exitpriority=10)
-        for _ in range(encode_workers):
-            encoders.submit(_encode, warm)
-    _encode(warm)
-    if output_cfg.parquet:
-        warm_up()
-    _OUT.update(store=Store(uri), cfg=output_cfg, encoders=encoders)
-
-
-def _stop_encoders() -> None:
-    """In the writer process, before it exits: stop its encoder pool and wait for it."""
-    encoders = _OUT.pop("encoders", None)
-    if encoders is not None:
-        encoders.shutdown(wait=True)
-
-
-def _write_files(name: str, samples: list[dict]) -> dict:
-    """In the writer process: encode a shard's images, then write its files (not its state: the caller does)."""
-    cfg, encoders = _OUT["cfg"], _OUT["encoders"]
-    enc = Encoding.from_config(cfg)
-    items = [(s.pop("pixels"), enc) for s in samples]
-    if cfg.image_files or cfg.parquet or cfg.webdataset:  # none: state files only (a benchmark's control)
-        encoded: Iterable[bytes] = map(_encode, items)
-        if encoders is not None:
-            encoded = encoders.map(_encode, items, chunksize=max(1, len(items) // (4 * encoders._max_workers)))
-        for s, data in zip(samples, encoded, strict=True):
-            s["encoded"] = data
-    return write_shard(_OUT["store"], name, samples, cfg)
-
-
-def _encode(item: tuple[np.ndarray, Encoding]) -> bytes:
-    return encode(*item)

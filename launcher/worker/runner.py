@@ -29,9 +29,11 @@ from launcher.ledger.sweep import n_variants, raw_sweep
 from launcher.logs import STAGE_EVENTS
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
+from launcher.worker.columns import carry_kept
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.worker.execution import CompileStats, apply_compile, cache_hits
 from launcher.worker.pipeline import load_pipeline
+from launcher.worker.quality import load_scorer
 from launcher.worker.staged import shard_steps
 from launcher.worker.timing import StageTimer
 from launcher.workers import resolve_workers
@@ -61,6 +63,7 @@ class Worker:
     compile_stats: CompileStats = field(default_factory=CompileStats)
     warmed: set = field(default_factory=set)  # batch shapes seen (and, in compile mode, compiled)
     load_seconds: float = 0.0  # the model load, until a shard's stages report it
+    scorer: object = None  # quality.* columns (launcher/worker/quality.py), on the rank that writes
 
 
 def run_worker(cfg) -> int:
@@ -111,6 +114,7 @@ def run_worker(cfg) -> int:
     w.timer, w.writer = StageTimer(pipe, device), writer
     apply_cache(pipe, cfg)
     apply_compile(pipe, cfg, device_type, w.compile_stats)
+    w.scorer = load_scorer(cfg, device) if groups.is_writer else None
     w.load_seconds = time.perf_counter() - t0  # counted in this worker's first shard's stages
     # The libraries and the model live as long as the worker: out of the collector's reach from here on, so that
     # no full collection walks them between batches (a pause in the loop that feeds the chip).
@@ -198,13 +202,18 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     """Generate one shard and hand it to the writer, which records its outcome. True when generated."""
     cfg, groups = w.cfg, w.groups
     inject = shard.index in cfg.testing.fail_shards and groups.tp_rank == cfg.mesh.tp - 1
+    prev = None
     if groups.is_writer:
         logger.info("shard %d: generating %d prompts", shard.index, len(shard.rows))
         ledger.clean_tmp(w.store, shard.index)
+        prev = ledger.read_state(w.store, shard.index) if w.writer else None  # how many attempts failed alike
     started_at = time.time()
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()
-    samples, error, job = [], None, job_of(cfg.job)
+    error, job, waited, involved = None, job_of(cfg.job), 0.0, None
+    n, v = cfg.generate.images_per_prompt, n_variants(cfg.generate) if raw_sweep(cfg.generate) else 0
+    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n, v)]
+    order = {sid: k for k, sid in enumerate(ids)}  # the rows' order, which the writer keeps (batches go by shape)
     try:  # an edit job reads the shard's references here: one gone since planning fails this shard only
         batches, local = job.shard_batches(shard.rows, cfg), None
     except Exception as e:
@@ -213,21 +222,29 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     # set_lora_scales: the hook that re-fuses LoRAs per swept scale, once that exists (launcher/host/sweep_checks.py)
     steps = shard_steps(w.pipe, [] if error else batches, cfg, job, set_lora_scales=None)  # tp ranks skip together
     for batch, step in steps:
-        local = mark = None
+        local = mark = new = None
         try:
             warmup += _warm_up(w, batch, step) if batch is not None else 0.0
             new = step()
             if cfg.testing.batch_sleep_s:  # not even a sleep(0)'s yield on the real path
                 time.sleep(cfg.testing.batch_sleep_s)
-            samples += new
+            carry_kept(new, shard)  # dataset.keep_columns
+            if w.scorer is not None:  # before the writer takes them: its columns are the shard's
+                w.scorer.add_columns(new)
             mark = digest(new) if new and cfg.execution.cache != "none" else None
             if inject:
                 raise InjectedFailure(f"testing.fail_shards: injected failure in shard {shard.index}")
         except Exception as e:  # any failure fails this shard only; the run goes on
-            local = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            local = f"{type(e).__name__}: {e}{_rows_of(shard, batch)}\n{traceback.format_exc()}"
         error = _agree(groups, local, mark)
         if error:
+            involved = batch.image_ids() if batch is not None else None
             break
+        if new and w.writer is not None:  # handed over now: a worker holds a batch or two, never a shard
+            for sample in new:
+                sample["_pos"] = order[sample["id"]]
+            waited += w.writer.add(shard.index, shard.name, new)
+        new = None  # not held while the next batch generates
     steps.close()  # staged: the models back where the next shard expects them
     seconds = time.perf_counter() - start - warmup
     if w.writer is None:
@@ -235,8 +252,6 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     # Counted here, where the tokenizer is loaded anyway, not by the launcher after the run.
     prompts = [r["prompt"] for r in shard.rows]
     truncated = None if error else job.count_truncated(w.pipe, prompts, cfg.generate.max_sequence_length)
-    n, v = cfg.generate.images_per_prompt, n_variants(cfg.generate) if raw_sweep(cfg.generate) else 0
-    ids = [sid for r in shard.rows for sid in sample_ids(r["id"], n, v)]
     state = {
         "status": "failed" if error else "done",
         "rows": len(ids),  # images
@@ -252,9 +267,20 @@ def run_shard(w: Worker, shard: Shard) -> bool:
         "compile_cache_hits": cache_hits() - hits,
         "truncated": truncated,
     }
+    state["stages"]["writer_wait"] = round(waited, 4)
     if error:
-        state.update(error=error.splitlines()[0], traceback=error)
+        state.update(error=error.splitlines()[0], error_class=error.split(":", 1)[0], traceback=error)
+        if involved:
+            state["samples"] = involved[: ledger.SAMPLES_KEPT]
     w.load_seconds = 0.0
-    order = {sid: k for k, sid in enumerate(ids)}
-    w.writer.submit(ShardJob(shard.index, shard.name, [] if error else samples, state, order))
+    w.writer.submit(ShardJob(shard.index, shard.name, [], state, prev=prev))
     return error is None
+
+
+def _rows_of(shard: Shard, batch) -> str:
+    """Where a failure happened, for its message: the shard and the ids of the batch's rows."""
+    if batch is None:  # a stage over the whole shard (execution.staged): no one batch
+        return f" (shard {shard.index})"
+    ids = [r["id"] for r in batch.rows[: batch.n_real]]
+    more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
+    return f" (shard {shard.index}, rows {', '.join(map(repr, ids[:5]))}{more})"

@@ -4,7 +4,7 @@ Flat or purely synthetic images compress an order of magnitude faster than photo
 images are photographic-like: hard-edged objects softened by a lens blur, shading and texture at several
 scales, and sensor noise (about 1.9 MB each as PNG at level 1, like a real 1024x1024 photograph). They go
 through the runner's own encoding function (`launcher.worker.encode.encode`) in a spawned process pool chunked the
-way the writer process (`launcher.worker.bgwriter._write_files`) chunks a shard, with 1 and 2 processes, for each
+way the writer process (`launcher.worker.writer_process._write_files`) chunks a shard, with 1 and 2 processes, for each
 format, library (imagecodecs, Pillow) and PNG level; JPEG and WebP at quality 95, lossless WebP.
 The pool is started and warmed before timing: its start-up is paid once per run, while the model loads.
 """
