@@ -1,16 +1,27 @@
-"""A stand-in for the Hugging Face Hub's file API on 127.0.0.1, for download tests (HF_ENDPOINT points at it).
+"""A stand-in for the Hugging Face Hub on 127.0.0.1, for download and upload tests (HF_ENDPOINT points at it).
 
-It answers what huggingface_hub 2.4 asks (read from its source: hf_api.repo_info / list_repo_tree,
-file_download.get_hf_file_metadata, utils/_http.hf_raise_for_status):
-- GET /api/models/<id>[/revision/<rev>]: the repo's info (sha, siblings);
-- GET /api/models/<id>/tree/<rev>[/<path>]: the files, recursively, with size and blob id;
-- HEAD and GET /<id>/resolve/<rev>/<path>: the file, with X-Repo-Commit, ETag and Content-Length.
-A gated repo's info is public (as on the hub), its files answer 401 without a token and 403 with one, both with
-X-Error-Code: GatedRepo. Every request is logged as (method, path) for the tests to inspect.
+It answers what huggingface_hub 2.4 asks (read from its source: hf_api.repo_info / list_repo_tree / whoami /
+preupload_lfs_files / create_commit, _commit_api._fetch_upload_modes / _send_commit, lfs.post_lfs_batch_info /
+lfs_upload, file_download.get_hf_file_metadata, utils/_http.hf_raise_for_status), for models and datasets:
+- GET /api/{models,datasets}/<id>[/revision/<rev>]: the repo's info (sha, siblings);
+- GET /api/{models,datasets}/<id>/tree/<rev>[/<path>][?recursive=true]: files (size, blob id, and `lfs` with the
+  sha256 for LFS files) and folders;
+- HEAD and GET /[datasets/]<id>/resolve/<rev>/<path>: the file, with X-Repo-Commit, ETag and Content-Length;
+- GET /api/whoami-v2: the token's user and role (tokens in `FakeHub.tokens`); POST /api/validate-yaml: the card;
+- POST /api/<type>s/<id>/preupload/<rev>: each file's upload mode (LFS for data and images, as the Hub's default
+  .gitattributes says, and for anything from 10 MiB), and the blob id of the file already at that path;
+- POST /[datasets/]<id>.git/info/lfs/objects/batch: an upload action (a PUT to /lfs-upload/<sha256>) for each
+  object the hub lacks, none for one it has;
+- POST /api/<type>s/<id>/commit/<rev>: the ndjson commit; every file appears in one step, or none (a missing LFS
+  object or a write without a write token changes nothing).
+Writes need a token whose role is "write". A gated repo's info is public (as on the hub), its files answer 401
+without a token and 403 with one, both with X-Error-Code: GatedRepo. Every request is logged as (method, path).
+A dataset repo is `repos["datasets/ORG/NAME"]`; a model repo `repos["ORG/NAME"]`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -18,15 +29,19 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LFS_SUFFIXES = (".parquet", ".png", ".jpg", ".jpeg", ".webp", ".tar", ".safetensors", ".bin")
+LFS_FROM = 10 * 2**20
 
 
 @dataclass
 class Repo:
     files: dict[str, bytes]
     gated: bool = False
+    sha: str = COMMIT
+    commits: list[dict] = field(default_factory=list)  # each commit's header and operations, as sent
 
 
 @dataclass
@@ -34,6 +49,11 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     log: list[tuple[str, str]] = field(default_factory=list)
     url: str = ""
+    tokens: dict[str, str] = field(default_factory=dict)  # token -> role ("read" or "write")
+    lfs: dict[str, bytes] = field(default_factory=dict)  # uploaded LFS objects by sha256
+    fail_commits: int = 0  # answer this many commits 429 (rate limited) before accepting one
+    refuse_commits: bool = False  # answer every commit 403, as for a token that lost its write access
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_folder(self, repo_id: str, folder: Path, extra: dict[str, bytes] | None = None, gated=False) -> None:
         files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -51,39 +71,82 @@ def serve(hub: FakeHub):
             pass
 
         def do_HEAD(self):
-            self._answer(body=False)
+            self._route()
 
-        def do_GET(self):
-            self._answer(body=True)
+        do_GET = do_POST = do_PUT = do_HEAD
 
-        def _answer(self, body: bool):
-            path = unquote(urlparse(self.path).path)
+        def _route(self):
+            url = urlparse(self.path)
+            path, query = unquote(url.path), parse_qs(url.query)
             hub.log.append((self.command, path))
-            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
-            if m:
-                return self._info(m.group(1))
-            m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?", path)
-            if m:
-                return self._tree(m.group(1), m.group(3) or "")
-            m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-            if m:
-                return self._file(m.group(1), m.group(3), body)
+            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            kind = r"/api/(models|datasets)/([^/]+/[^/]+)"
+            if self.command == "GET" and path == "/api/whoami-v2":
+                return self._whoami()
+            if self.command == "POST" and path == "/api/validate-yaml":
+                return self._validate_yaml(json.loads(data)["content"])
+            if self.command == "PUT" and (m := re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", path)):
+                return self._lfs_put(m.group(1), data)
+            if self.command == "POST" and (
+                m := re.fullmatch(r"/(datasets/)?([^/]+/[^/]+)\.git/info/lfs/objects/batch", path)
+            ):
+                return self._lfs_batch(_key(m.group(1), m.group(2)), json.loads(data))
+            if m := re.fullmatch(kind + r"/preupload/([^/]+)", path):
+                return self._preupload(_key(m.group(1), m.group(2)), json.loads(data))
+            if m := re.fullmatch(kind + r"/commit/([^/]+)", path):
+                return self._commit(_key(m.group(1), m.group(2)), data)
+            if m := re.fullmatch(kind + r"(?:/revision/([^/]+))?", path):
+                return self._info(_key(m.group(1), m.group(2)))
+            if m := re.fullmatch(kind + r"/tree/([^/]+)(?:/(.*))?", path):
+                recursive = query.get("recursive", ["false"])[0].lower() == "true"
+                return self._tree(_key(m.group(1), m.group(2)), (m.group(4) or "").strip("/"), recursive)
+            if m := re.fullmatch(r"/(datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+                return self._file(_key(m.group(1), m.group(2)), m.group(4), self.command == "GET")
             self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
 
-        def _repo(self, repo_id: str) -> Repo | None:
-            repo = hub.repos.get(repo_id)
+        def _repo(self, key: str) -> Repo | None:
+            repo = hub.repos.get(key)
             if repo is None:
                 self._send(401, b"", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
             return repo
 
-        def _info(self, repo_id: str):
-            repo = self._repo(repo_id)
+        def _role(self) -> str | None:
+            auth = self.headers.get("Authorization") or ""
+            return hub.tokens.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
+
+        def _may_write(self) -> bool:
+            role = self._role()
+            if role != "write":
+                code, msg = (403, "You don't have the rights to write here") if role else (401, "Invalid token")
+                self._send(code, b"", {"X-Error-Message": msg})
+            return role == "write"
+
+        def _whoami(self):
+            role = self._role()
+            if role is None:
+                return self._send(401, b"", {"X-Error-Message": "Invalid user token."})
+            self._json({"type": "user", "name": "tester", "auth": {"accessToken": {"displayName": "t", "role": role}}})
+
+        def _validate_yaml(self, card: str):
+            """The card's front matter must be YAML whose `configs` name data files (as the Hub checks)."""
+            import yaml
+
+            try:
+                front = yaml.safe_load(card.split("---\n")[1]) if card.startswith("---\n") else {}
+                assert all(c["config_name"] and c["data_files"] for c in front.get("configs", []))
+            except (yaml.YAMLError, AssertionError, KeyError, TypeError, IndexError) as e:
+                return self._send(400, json.dumps({"errors": [{"message": str(e)}]}).encode(), {})
+            self._json({"warnings": []})
+
+        def _info(self, key: str):
+            repo = self._repo(key)
             if repo:
+                repo_id = key.removeprefix("datasets/")
                 info = {
-                    "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
+                    "_id": hashlib.sha1(key.encode()).hexdigest()[:24],
                     "id": repo_id,
-                    "modelId": repo_id,
-                    "sha": COMMIT,
+                    **({"modelId": repo_id} if key == repo_id else {}),
+                    "sha": repo.sha,
                     "private": False,
                     "gated": "manual" if repo.gated else False,
                     "disabled": False,
@@ -92,31 +155,101 @@ def serve(hub: FakeHub):
                 }
                 self._json(info)
 
-        def _tree(self, repo_id: str, under: str):
-            repo = self._repo(repo_id)
-            if repo:
-                entries = [
-                    {"type": "file", "oid": _oid(data), "size": len(data), "path": f}
-                    for f, data in repo.files.items()
-                    if f.startswith(under)
-                ]
-                self._json(entries)
+        def _tree(self, key: str, under: str, recursive: bool):
+            repo = self._repo(key)
+            if repo is None:
+                return
+            prefix = f"{under}/" if under else ""
+            entries, folders = [], set()
+            for f, data in sorted(repo.files.items()):
+                if not f.startswith(prefix):
+                    continue
+                parts = f[len(prefix) :].split("/")
+                for depth in range(1, len(parts) if recursive else min(2, len(parts))):
+                    folders.add(prefix + "/".join(parts[:depth]))
+                if recursive or len(parts) == 1:
+                    entries.append(_entry(key, f, data))
+            entries += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "path": d} for d in folders]
+            if prefix and not entries:
+                return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
+            self._json(sorted(entries, key=lambda e: e["path"]))
 
-        def _file(self, repo_id: str, name: str, body: bool):
-            repo = self._repo(repo_id)
+        def _file(self, key: str, name: str, body: bool):
+            repo = self._repo(key)
             if repo is None:
                 return
             if repo.gated:
                 authed = bool(self.headers.get("Authorization"))
-                msg = f"Access to model {repo_id} is restricted and you are not in the authorized list."
+                msg = f"Access to model {key} is restricted and you are not in the authorized list."
                 if not authed:
-                    msg = f"Access to model {repo_id} is restricted. You must be authenticated to access it."
+                    msg = f"Access to model {key} is restricted. You must be authenticated to access it."
                 return self._send(403 if authed else 401, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": msg})
             data = repo.files.get(name)
             if data is None:
-                return self._send(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
-            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{_oid(data)}"', "Content-Type": "application/octet-stream"}
-            self._send(200, data if body else b"", headers, length=len(data))
+                return self._send(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.sha})
+            headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{_git_oid(data)}"'}
+            self._send(200, data if body else b"", {**headers, "Content-Type": "application/octet-stream"}, len(data))
+
+        def _preupload(self, key: str, payload: dict):
+            repo = self._repo(key)
+            if repo is None or not self._may_write():
+                return
+            files = []
+            for f in payload["files"]:
+                lfs = f["path"].endswith(LFS_SUFFIXES) or f["size"] >= LFS_FROM
+                have = repo.files.get(f["path"])
+                oid = None if have is None else (_sha256(have) if _lfs(key, f["path"], have) else _git_oid(have))
+                files.append(
+                    {"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid}
+                )
+            self._json({"files": files})
+
+        def _lfs_batch(self, key: str, payload: dict):
+            if self._repo(key) is None or not self._may_write():
+                return
+            objects = []
+            for o in payload["objects"]:
+                entry = {"oid": o["oid"], "size": o["size"], "authenticated": True}
+                if o["oid"] not in hub.lfs:
+                    entry["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}", "header": {}}}
+                objects.append(entry)
+            self._json({"transfer": "basic", "objects": objects})
+
+        def _lfs_put(self, sha256: str, data: bytes):
+            if _sha256(data) != sha256:
+                return self._send(400, b"", {"X-Error-Message": "sha256 mismatch"})
+            hub.lfs[sha256] = data
+            self._send(200, b"", {})
+
+        def _commit(self, key: str, data: bytes):
+            repo = self._repo(key)
+            if repo is None or not self._may_write():
+                return
+            if hub.refuse_commits:
+                return self._send(403, b"", {"X-Error-Message": "You don't have the rights to write here"})
+            with hub.lock:
+                if hub.fail_commits > 0:
+                    hub.fail_commits -= 1
+                    headers = {"RateLimit": '"api";r=0;t=1', "RateLimit-Policy": '"fixed window";"api";q=1;w=1'}
+                    return self._send(429, b"", {"X-Error-Message": "rate limited", **headers})
+                lines = [json.loads(x) for x in data.splitlines() if x.strip()]
+                files = dict(repo.files)
+                for op in lines[1:]:
+                    v = op["value"]
+                    if op["key"] == "file":
+                        files[v["path"]] = base64.b64decode(v["content"])
+                    elif op["key"] == "lfsFile":
+                        if v["oid"] not in hub.lfs:
+                            return self._send(422, b"", {"X-Error-Message": f"LFS object {v['oid']} not uploaded"})
+                        files[v["path"]] = hub.lfs[v["oid"]]
+                    elif op["key"] == "deletedFile":
+                        files.pop(v["path"], None)
+                    else:
+                        return self._send(400, b"", {"X-Error-Message": f"unknown operation {op['key']}"})
+                repo.files = files  # all at once: a reader sees the commit's files together or not at all
+                repo.sha = hashlib.sha1(repo.sha.encode() + data).hexdigest()
+                repo.commits.append({"header": lines[0]["value"], "ops": lines[1:]})
+                self._json({"commitUrl": f"{hub.url}/{key}/commit/{repo.sha}", "commitOid": repo.sha})
 
         def _json(self, obj):
             self._send(200, json.dumps(obj).encode(), {"Content-Type": "application/json"})
@@ -131,10 +264,32 @@ def serve(hub: FakeHub):
                 self.wfile.write(data)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
-def _oid(data: bytes) -> str:
+def _key(kind: str | None, repo_id: str) -> str:
+    return f"datasets/{repo_id}" if kind and kind.startswith("dataset") else repo_id
+
+
+def _lfs(key: str, path: str, data: bytes) -> bool:
+    """Whether the repo keeps `path` in LFS; model repos are listed as they always were here (git blob ids)."""
+    return key.startswith("datasets/") and (path.endswith(LFS_SUFFIXES) or len(data) >= LFS_FROM)
+
+
+def _entry(key: str, path: str, data: bytes) -> dict:
+    if not _lfs(key, path, data):
+        return {"type": "file", "oid": _git_oid(data), "size": len(data), "path": path}
+    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{_sha256(data)}\nsize {len(data)}\n".encode()
+    lfs = {"oid": _sha256(data), "size": len(data), "pointerSize": len(pointer)}
+    return {"type": "file", "oid": _git_oid(pointer), "size": len(data), "path": path, "lfs": lfs}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _git_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's blob id

@@ -135,7 +135,9 @@ COVERED = {
     "output.format": "jpeg",
     "output.quality": "90",
     "output.lossless": "true",
-    "job": "edit",
+    # an edit job also fingerprints generate.reference_fit off "stretch" (what edit runs did before the key): at
+    # stretch, the job alone differs
+    "job": "job=edit generate.reference_fit=stretch",
     "generate.size_from_reference": "true",
     "output.reference_bytes": "true",
     "generate.sweep": "generate.sweep={guidance_scale:[1.0,2.0]}",
@@ -163,9 +165,23 @@ LEFT_OUT = {
     "run.on_error": "abort",
     "run.stale": "keep",
     "run.timeout_s": "60",
+    "run.max_attempts": "5",
+    "dataset.bad_rows": "skip",  # a set-aside row is left out of its shard's prompts fingerprint, not the settings
+    "output.publish": "hf://datasets/org/name",
+    # fingerprinted for job=edit only, off its default (tests/test_runtime_bounds.py); tiny is text to image
+    "generate.reference_fit": "pad",
     "output.dir": "/elsewhere/out",
-    "output.image_files": "false",
-    "output.png": "false",
+    "output.image_files": "true",  # how images are stored, not what they are (default false since issue 35)
+    "output.png": "true",
+    "output.embed_images": "false",
+    # kept values are in each shard's prompts fingerprint (tests/test_outputs.py), not in the settings'
+    "dataset.keep_columns": "[category]",
+    # quality columns change no image: only columns (tests/test_quality.py)
+    "quality.clip_score": "true",
+    "quality.clip_model": "org/clip",
+    "quality.safety": "true",
+    "quality.safety_model": "org/checker",
+    "quality.batch_size": "4",
     "output.parquet": "false",
     "output.webdataset": "true",
     "output.row_group_size": "8",
@@ -203,7 +219,7 @@ def test_the_tiny_fingerprint_is_a_known_answer():
 
 def test_every_key_the_contract_covers_changes_the_fingerprint_and_is_named():
     for key, value in COVERED.items():
-        cfg = _cfg(value if "=" in value else f"{key}={value}")
+        cfg = _cfg(*(value.split(" ") if "=" in value else [f"{key}={value}"]))
         assert settings_fingerprint(cfg) != TINY_FINGERPRINT, key
         assert [d.split(":")[0] for d in settings_diff(TINY_SETTINGS, settings(cfg))] == [key], key
 

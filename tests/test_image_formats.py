@@ -28,6 +28,7 @@ JPEG_Q95_LUMA = [
 # default (95), so that a quality that never reached the encoder shows.
 TP1 = "mesh.tp=1"
 JPEG_JOB = (TP1, "output.format=jpeg", "output.quality=40", "output.webdataset=true", "output.row_group_size=3")
+JPEG_JOB += ("output.image_files=true",)  # the files too: their names and bytes are checked
 
 
 def ijg_luma(quality: int) -> list[int]:
@@ -88,12 +89,13 @@ def test_datasets_decodes_jpeg_as_images(run_job):
 def test_lossless_webp_keeps_the_pixels_and_the_old_png_key_works(run_job, tiny_model, tmp_path):
     png = read_rows(run_job(TP1))
     out = tmp_path / "out"
-    job = [TP1, "output.format=webp", "output.lossless=true", "output.png=false"]
+    job = [TP1, "output.format=webp", "output.lossless=true", "output.png=true"]  # files, off by default now
     res = launch(f"model.path={tiny_model}", f"output.dir={out}", *job)
     assert res.returncode == 0, res.stderr[-3000:]
     notices = [ln for ln in res.stderr.splitlines() if "output.png is now called output.image_files" in ln]
     assert len(notices) == 1, res.stderr[-3000:]
-    assert not (out / "images").exists()  # output.png=false still means no image files
+    files = sorted(p.name for p in (out / "images").rglob("*.*"))  # output.png=true still means image files
+    assert files and all(f.endswith(".webp") for f in files)
     rows = read_rows(out)
     for key, r in rows.items():
         assert Image.open(io.BytesIO(r["image"]["bytes"])).format == "WEBP" and r["image"]["path"] == f"{key}.webp"

@@ -75,8 +75,9 @@ def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path, 
     assert front["license"] == "other" and front["license_name"] == "random-weights-no-license-restrictions"
     body = card.split("---\n", 2)[2]
     run = json.loads((out / "run.json").read_text())
-    for fact in (run["config"]["model"]["path"], "float32", "num_inference_steps: 4", "3 done, 0 failed, 0 pending"):
+    for fact in ("a local pipeline", "float32", "num_inference_steps: 4", "3 done, 0 failed, 0 pending"):
         assert fact in body
+    assert run["config"]["model"]["path"] not in body and str(out) not in body  # the card names no local path
     assert "20 images" in body and "random weights, no license restrictions" in body
 
     files = str(out / config["data_files"][0]["path"])

@@ -191,7 +191,7 @@ def test_another_scale_on_a_done_folder_exits_2(lora_job, loras, launcher_main, 
     assert all(len(e["sha256"]) == 64 for e in settings["model"]["loras"])
     card = (out / "README.md").read_text()  # the dataset card names each LoRA, its scale and hash
     for f, s, e in zip(files, SCALES, settings["model"]["loras"], strict=True):
-        assert f"- LoRA: `{f}` at scale {s} (sha256 {e['sha256'][:16]}...)" in card
+        assert f"- LoRA: a local file `{Path(f).name}` at scale {s} (sha256 {e['sha256']})" in card
     again = [a if not a.startswith("model.loras=") else lora_override(files, (0.5, 1.0)) for a in args]
     code = launcher_main([*again, f"output.dir={out}"])  # in this process: a refusal and a run with nothing to do
     err = capsys.readouterr().err

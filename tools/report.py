@@ -114,7 +114,7 @@ def run_rows(records: list[dict]) -> list[str]:
     rows = []
     for r in records:
         cells = [r.get("run_id", ""), r.get("start", ""), r.get("exit_code", ""), r.get("images", ""), r.get("seconds")]
-        cells += [r.get("images_per_s"), r.get("generated", ""), r.get("startup_s")]
+        cells += [r.get("images_per_s"), r.get("generated", ""), r.get("startup_s"), r.get("rejected", 0)]
         tds = "".join(f"<td>{escape('' if c is None else str(c))}</td>" for c in cells)  # as the terminal said
         tds += f'<td class="text cmd">{escape(shlex.join(r.get("command") or []))}</td>'
         rows.append(f'<tr class="{"ok" if r.get("exit_code") == 0 else "failed"}">{tds}</tr>')
@@ -156,6 +156,7 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
             + (f", {counts['damaged']} damaged" if counts["damaged"] else ""),
         ),
         ("images", summary["images"]),
+        ("rows set aside (last run)", rejected_fact(records[-1]) if records and records[-1].get("rejected") else ""),
         ("runs", f"{len(records)}, exit codes {' '.join(str(r.get('exit_code')) for r in records)}" if records else ""),
         *wall_facts(records),
         ("shard seconds (sum)", fmt(summary["seconds"])),
@@ -171,7 +172,8 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
     info = {"shards": {str(s["index"]): s["status"] for s in shards}, "conf": cfg["name"]}
     info["command"] = records[-1].get("command") if records else None
     rerun = rerun_command(str(out), info) if failed else ""
-    run_head = ("run", "start", "exit", "images", "wall s", "images/s", "shards", "start-up s", "command")
+    run_head = ("run", "start", "exit", "images", "wall s", "images/s", "shards", "start-up s", "rejected rows")
+    run_head += ("command",)
     head = "".join(f"<th>{h}</th>" for h in ("shard", "status", "rows", "seconds", "images/s"))
     head += "".join(f"<th>{h}</th>" for h in ("finished", "stages", "error"))
     return "\n".join(
@@ -200,6 +202,11 @@ def report_html(out: str | Path, n: int = 16, cols: int = 4) -> str:
             "</body></html>",
         ]
     )
+
+
+def rejected_fact(record: dict) -> str:
+    """dataset.bad_rows=skip: how many rows the last run set aside, and the file that lists them with reasons."""
+    return f"{record['rejected']}, with their reasons in {record.get('rejected_file', 'rejected/')}"
 
 
 def wall_facts(records: list[dict]) -> list[tuple[str, str]]:

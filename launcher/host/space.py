@@ -3,7 +3,8 @@ run that the disk (or a quota) stopped.
 
 The estimate is coarse on purpose: bytes per pixel of each image format on photographic content (PNG at zlib
 level 1 ~1.8, measured by tools/bench/writer.py; JPEG q95 ~0.35; WebP ~0.25), times the copies written (image
-files, Parquet, WebDataset). It only has to catch a run that needs ten times the room there is.
+files, the Parquet's embedded images, WebDataset; one by default). It only has to catch a run that needs ten
+times the room there is.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ BYTES_PER_PIXEL = {"png": 1.8, "jpeg": 0.35, "webp": 0.25}
 
 def estimate_bytes(cfg, images: int) -> int:
     out = cfg.output
-    copies = sum(bool(out.get(k)) for k in ("image_files", "png", "parquet", "webdataset") if k in out)
+    # each copy of the images: files, the Parquet's embedded bytes (not with output.embed_images=false, whose rows
+    # only point at the files), WebDataset
+    files = out.get("image_files", out.get("png"))
+    copies = bool(files) + bool(out.get("parquet") and out.get("embed_images", True)) + bool(out.get("webdataset"))
     per_pixel = BYTES_PER_PIXEL.get(out.get("format", "png"), 1.8)
     return int(images * cfg.generate.height * cfg.generate.width * per_pixel * max(copies, 1))
 
@@ -60,8 +64,29 @@ def stopped_by_space(cfg, store: Store, states: dict[int, dict], run_id: str, la
     short = free is not None and free < estimate_bytes(cfg, cfg.run.shard_size)
     if not (said or launcher_failed or refused or short):
         return None
+    if free_inodes(store) == 0:  # ENOSPC too, with bytes to spare: a file per image used up the file system's inodes
+        return (
+            f"error: {store} is out of inodes (0 free, {_size(free)} of space free); remove files (or move the output "
+            "to a file system with more inodes, or use output.image_files=false) and run the same command again"
+        )
     room = f"{_size(free)} free" if free is not None else "the store refused writes: a quota?"
     return f"error: {store} is out of space ({room}); free some space and run the same command again to finish"
+
+
+def free_inodes(store: Store) -> int | None:
+    """Files that may still be created where the output lives (None on an object store, or where unknown)."""
+    import os
+
+    if not store.is_local:
+        return None
+    probe = store.local()
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    return st.f_favail if st.f_files else None  # 0 files in all: a file system without inodes (btrfs reports 0)
 
 
 def probe_write(store: Store) -> OSError | None:
@@ -97,3 +122,6 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+size_text = _size  # the dry run's cost lines (launcher/host/cost.py) say sizes the same way

@@ -26,6 +26,7 @@ FINGERPRINT_KEYS = {
         "images_per_prompt",
         "size_from_reference",
         "sweep",
+        "reference_fit",
     ),
     "run": ("shard_size",),
     "execution": ("cache", "cache_options"),  # step caching changes the images; the other execution keys do not
@@ -48,6 +49,9 @@ LATER_DEFAULTS = {
     ("output", "quality"): 95,
     ("output", "lossless"): False,
     ("generate", "size_from_reference"): False,
+    # What edit runs did before the key existed: left out at that value, so an older edit folder resumed with the
+    # new default (crop) exits 2 naming the key instead of mixing stretched and cropped references.
+    ("generate", "reference_fit"): "stretch",  # and left out for every job but edit (settings)
     ("output", "reference_bytes"): False,
     ("model", "weights"): None,  # not on this host yet (a hub id the run downloads): judged once it is
 }
@@ -60,6 +64,7 @@ class Shard:
     index: int
     rows: tuple[dict, ...]
     fingerprint: str
+    kept: tuple = ()  # dataset.keep_columns: the kept columns' Arrow fields (their values are in the rows)
 
     @property
     def name(self) -> str:
@@ -103,9 +108,11 @@ def prompts_fingerprint(table) -> str:
             h.update((offsets - offsets[0]).astype("<i4").tobytes())  # a null's offsets span no bytes
             data = col.buffers()[2]
             h.update(memoryview(data)[offsets[0] : offsets[-1]] if data is not None else b"")
-        else:
+        elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
             values = col.fill_null(0) if nulls else col
             h.update(np.asarray(values, dtype="<i8" if pa.types.is_integer(col.type) else "<f8").tobytes())
+        else:  # a kept source column of any other type (launcher/ledger/keep.py): its values, as JSON
+            h.update(str(col.type).encode() + json.dumps(col.to_pylist(), default=str, sort_keys=True).encode())
     return FINGERPRINT_PREFIX + h.hexdigest()[:16]
 
 
@@ -146,6 +153,8 @@ def settings(cfg) -> dict:
 
             values["sweep"] = sweep_of(cfg.generate) or None
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}
+        if cfg.get("job", "text_to_image") != "edit":
+            values.pop("reference_fit", None)
         if values:
             out[group] = values
     return out

@@ -66,7 +66,40 @@ def schema_of(samples: list[dict]) -> pa.Schema:
     else:
         extra = tuple(k for k in _SWEEP_COLUMNS if k in samples[0])
         schema = _sweep_schema(extra) if extra else SCHEMA_N
-    return _with_references(schema, samples)
+    return _with_extra(_with_references(schema, samples), samples)
+
+
+# quality.*: columns scored on the chips (launcher/worker/quality.py), present when scored
+QUALITY_COLUMNS = {
+    "clip_score": (pa.float32(), {"dtype": "float32", "_type": "Value"}),
+    "nsfw": (pa.bool_(), {"dtype": "bool", "_type": "Value"}),
+}
+KEPT_FIELDS = "_kept_fields"  # a sample's key: the dataset.keep_columns fields (Arrow types of the source)
+
+
+def _with_extra(schema: pa.Schema, samples: list[dict]) -> pa.Schema:
+    """The kept source columns (their own types; `datasets` derives their features from the Arrow types), then
+    the quality columns."""
+    if not samples:
+        return schema
+    kept = tuple(samples[0].get(KEPT_FIELDS, ()))
+    quality = [k for k in QUALITY_COLUMNS if k in samples[0]]
+    if not kept and not quality:
+        return schema
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    for f in kept:
+        schema = schema.append(f)
+    for k in quality:
+        schema = schema.append(pa.field(k, QUALITY_COLUMNS[k][0]))
+        features[k] = QUALITY_COLUMNS[k][1]
+    return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def image_path(shard_name: str, name: str, output_cfg) -> str:
+    """The Parquet row's `image.path`: the file's name beside embedded bytes (what `datasets` shows); without
+    them (output.embed_images=false), the file's path from the folder's root, which `datasets` opens relative to
+    the working directory (load from OUTPUT_DIR, or join the folder's path)."""
+    return name if output_cfg.get("embed_images", True) else f"{IMAGES_DIR}/{shard_name}/{name}"
 
 
 # job=edit: each sample's references (lineage), and with output.reference_bytes the first one's image, which
@@ -129,9 +162,10 @@ def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) 
         store.put_folder(folder, images)
         files.update((f"{folder}/{n}", [len(b), hashlib.sha256(b).hexdigest()]) for n, b in images.items())
     if output_cfg.parquet:
+        embed = output_cfg.get("embed_images", True)
         rows = [
-            {**{k: s.get(k) for k in schema.names}, "image": {"bytes": s["encoded"], "path": name}}
-            for s, name in zip(samples, names, strict=True)
+            {**{k: s.get(k) for k in schema.names}, "image": {"bytes": s["encoded"] if embed else None, "path": name}}
+            for s, name in zip(samples, [image_path(shard_name, n, output_cfg) for n in names], strict=True)
         ]
         buf = io.BytesIO()
         # Row groups of a fixed row count: `datasets` streaming and pyarrow read one group at a time, so a loader
@@ -171,13 +205,13 @@ def delete_shard_files(store: Store, shard_name: str) -> None:
 def webdataset_tar(samples: list[dict], ext: str) -> bytes:
     """A WebDataset shard: `<key>.<ext>` and `<key>.json` per sample, in order, with fixed metadata so that the
     same samples always give the same bytes."""
-    buf = io.BytesIO()
+    buf, names = io.BytesIO(), schema_of(samples).names
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for s in samples:
-            meta = {k: s.get(k) for k in schema_of(samples).names if k not in ("image", "reference_image")}
+            meta = {k: s.get(k) for k in names if k not in ("image", "reference_image")}
             for name, data in (
                 (f"{file_stem(s['id'])}.{ext}", s["encoded"]),
-                (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True).encode()),
+                (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True, default=str).encode()),
             ):
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime, info.mode = len(data), 0, 0o644

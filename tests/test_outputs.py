@@ -1,0 +1,187 @@
+"""One copy by default (output.image_files, output.embed_images) and source columns carried (dataset.keep_columns)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from launcher.config import load_config
+from launcher.ledger.store import Store
+
+
+def png(color=(10, 20, 30), size=(8, 6)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def last_error(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), lines[-5:]
+    return lines[-1]
+
+
+# -- one copy
+
+
+def test_a_default_run_stores_each_image_once_in_the_parquet(run_job):
+    out = run_job("mesh.tp=1")
+    assert not (out / "images").exists()  # no image files by default
+    for f in sorted((out / "data").glob("*.parquet")):
+        for r in pq.read_table(f).to_pylist():
+            assert Image.open(io.BytesIO(r["image"]["bytes"])).format == "PNG"
+        state = json.loads((out / "state" / f"{f.stem}.json").read_text())
+        assert list(state["files"]) == [f"data/{f.name}"]
+
+
+def samples():
+    return [
+        {"id": i, "prompt": f"p {i}", "seed": 1, "height": 6, "width": 8, "model": "m", "encoded": png((k, 0, 0))}
+        for k, i in enumerate(["a", "b/c"])
+    ]
+
+
+def test_embed_images_false_writes_files_that_parquet_rows_point_at(tmp_path, monkeypatch):
+    """Rows hold no bytes and the file's path from the folder's root; `datasets` opens such a path relative to
+    the working directory, so it loads from the folder itself; the state records every file."""
+    import datasets
+
+    from launcher.worker.writer import write_shard
+
+    cfg = load_config("tiny", ["output.embed_images=false"])
+    assert cfg.output.image_files is True  # rows that point at files need the files
+    out = tmp_path / "out"
+    got = write_shard(Store(out), "shard-00000", samples(), cfg.output)
+    rows = pq.read_table(out / "data" / "shard-00000.parquet").to_pylist()
+    assert [r["image"] for r in rows] == [
+        {"bytes": None, "path": "images/shard-00000/a.png"},
+        {"bytes": None, "path": "images/shard-00000/b_c.png"},
+    ]
+    assert (out / "images/shard-00000/b_c.png").read_bytes() == samples()[1]["encoded"]
+    assert sorted(got["files"]) == [
+        "data/shard-00000.parquet",
+        "images/shard-00000/a.png",
+        "images/shard-00000/b_c.png",
+    ]
+    monkeypatch.chdir(out)
+    ds = datasets.load_dataset("parquet", data_files="data/*.parquet", split="train")
+    assert ds[1]["image"].getpixel((0, 0)) == (1, 0, 0)
+
+
+def test_the_defaults_embed_and_write_no_files(tmp_path):
+    from launcher.worker.writer import write_shard
+
+    cfg = load_config("tiny", [])
+    assert (cfg.output.image_files, cfg.output.embed_images) == (False, True)
+    out = tmp_path / "out"
+    got = write_shard(Store(out), "shard-00000", samples(), cfg.output)
+    rows = pq.read_table(out / "data" / "shard-00000.parquet").to_pylist()
+    assert [r["image"]["bytes"] for r in rows] == [s["encoded"] for s in samples()]
+    assert list(got["files"]) == ["data/shard-00000.parquet"] and not (out / "images").exists()
+    cfg = load_config("tiny", ["output.image_files=true"])  # both copies, as before, when asked
+    got = write_shard(Store(tmp_path / "both"), "shard-00000", samples(), cfg.output)
+    assert len(got["files"]) == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, copies",
+    [
+        ([], 1),  # the Parquet's
+        (["output.image_files=true"], 2),
+        (["output.embed_images=false"], 1),  # the files; the Parquet only points at them
+        (["output.webdataset=true"], 2),
+        (["output.png=true", "output.webdataset=true"], 3),
+    ],
+)
+def test_the_space_estimate_counts_the_copies_written(overrides, copies):
+    from launcher.host.space import estimate_bytes
+
+    cfg = load_config("tiny", ["generate.height=1024", "generate.width=1024", *overrides])
+    assert estimate_bytes(cfg, 10) == int(10 * 1024 * 1024 * 1.8 * copies)
+
+
+# -- dataset.keep_columns
+
+
+def planned(path, *overrides):
+    """Every planned shard's rows (launcher/ledger/plan.py's pass over the source), as one table."""
+    from launcher.ledger.plan import shard_tables, source
+
+    cfg = load_config("tiny", [f"dataset.path={path}", "run.shard_size=2", *overrides])
+    return pa.concat_tables([t for _, t, _ in shard_tables(source(cfg), 2, None)])
+
+
+def test_kept_columns_keep_their_source_types(tmp_path):
+    src = tmp_path / "p.parquet"
+    when = pa.array([0, 86400, None], pa.timestamp("ms"))
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "n": pa.array([1, 2, 3], pa.int16()), "t": when}), src)
+    t = planned(src, "dataset.keep_columns=[t,n]")
+    assert t.schema.field("n").type == pa.int16() and t.schema.field("t").type == pa.timestamp("ms")
+    assert t.column("n").to_pylist() == [1, 2, 3] and t.column("t").equals(pa.chunked_array([when]))
+    assert planned(src, "dataset.keep_columns=all").schema.names[-2:] == ["n", "t"]  # all: every other column
+    lines = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a", "cat": "x", "k": 1, "tags": ["u"]}, {"prompt": "b", "k": 2.5}, {"prompt": "c", "cat": "z"}]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = planned(lines, "dataset.keep_columns=[cat,k,tags]")
+    assert t.column("cat").to_pylist() == ["x", None, "z"] and t.schema.field("k").type == pa.float64()
+    assert t.column("tags").to_pylist() == [["u"], None, None]
+
+
+def test_a_changed_kept_value_changes_the_shard_fingerprint_and_none_kept_changes_nothing(tmp_path):
+    from launcher.ledger.shards import prompts_fingerprint
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "p", "cat": "x"}\n')
+    b.write_text('{"prompt": "p", "cat": "y"}\n')
+    fp = lambda path, *o: prompts_fingerprint(planned(path, *o))  # noqa: E731
+    assert fp(a) == fp(b)  # not kept: the column plays no part, as before
+    assert fp(a, "dataset.keep_columns=[cat]") != fp(b, "dataset.keep_columns=[cat]")
+    assert fp(a, "dataset.keep_columns=[cat]") != fp(a)
+    a.write_text('{"prompt": "p", "tags": ["x"], "ok": true}\n')  # other types: by their values too
+    b.write_text('{"prompt": "p", "tags": ["y"], "ok": true}\n')
+    assert fp(a, "dataset.keep_columns=[tags,ok]") != fp(b, "dataset.keep_columns=[tags,ok]")
+    assert fp(a, "dataset.keep_columns=[tags,ok]") == fp(a, "dataset.keep_columns=[tags,ok]")
+
+
+@pytest.mark.parametrize(
+    "keep, source, said",
+    [
+        ("[seed]", "jsonl", "dataset.keep_columns: 'seed' is also one of meshgen's own columns"),
+        ("[clip_score]", "jsonl", "dataset.keep_columns: 'clip_score' is also one of meshgen's own columns"),
+        ("all", "jsonl_model", "dataset.keep_columns: 'model' is also one of meshgen's own columns"),
+        ("[nope]", "jsonl", "has no column 'nope'; columns found: prompt, cat"),
+        ("[cat]", "txt", "has no column 'cat'; columns found: none"),
+    ],
+)
+def test_a_kept_column_that_clashes_or_is_missing_is_refused_at_planning(
+    keep, source, said, tiny_model, tmp_path, launcher_main, capsys
+):
+    path = tmp_path / f"p.{source[:5].rstrip('_')}"
+    if source == "txt":
+        path.write_text("a prompt\n")
+    else:
+        extra = {"model": "m"} if source == "jsonl_model" else {"cat": "x"}
+        path.write_text(json.dumps({"prompt": "a", **extra}) + "\n")
+    out = tmp_path / "out"
+    args = [f"model.path={tiny_model}", f"dataset.path={path}", f"output.dir={out}", f"dataset.keep_columns={keep}"]
+    assert launcher_main(["--dry-run", *args]) == 2
+    line = last_error(capsys)
+    assert said in line and "\n" not in line
+    assert not os.path.lexists(out)
+
+
+def test_every_column_the_writer_makes_is_reserved():
+    from launcher.ledger.keep import RESERVED
+    from launcher.ledger.prompts import SCHEMA
+    from launcher.worker.writer import QUALITY_COLUMNS, schema_of
+
+    sample = {"prompt_id": "p", "variant": 0, "true_cfg_scale": 1.0, "lora_scales": [1.0], "reference": []}
+    sample |= {"reference_image": None, **dict.fromkeys(QUALITY_COLUMNS)}
+    names = set(schema_of([sample]).names) | set(SCHEMA.names) | {"ref_sha256", "ref_loc", "rejected"}
+    assert names <= RESERVED, names - RESERVED
