@@ -3,6 +3,9 @@
 #   deploy/tpu-vm.sh TPU_NAME ZONE slice   ARGS...  one torchrun job over all hosts (mesh.nodes = hosts)
 #   deploy/tpu-vm.sh TPU_NAME ZONE workers ARGS...  each host its own job on its chips (workers.index = its id)
 # e.g. deploy/tpu-vm.sh my-v6e-16 us-east5-b slice conf=flux2_tp mesh.dp=2 mesh.tp=8 output.dir=gs://BUCKET/run
+# Check the job first, on any machine (a dry run needs no TPU, no weights; the script adds mesh.nodes):
+#   ./launch.sh --dry-run conf=flux2_tp mesh.nodes=4 mesh.dp=2 mesh.tp=8 dataset.path=gs://BUCKET/prompts.jsonl output.dir=gs://BUCKET/run
+# Separate single-host TPU VMs on one job: deploy/tpu-vms.sh.
 # Each host needs the checkout in ~/meshgen (MESHGEN_REMOTE_DIR) with `pip install -e ".[tpu,gcs]"`, e.g.:
 #   gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=all \
 #     --command 'git clone REPO_URL meshgen && cd meshgen && pip install -e ".[tpu,gcs]"'

@@ -65,6 +65,9 @@ class DatasetConfig:
     id_column: str | None = None
     limit: int | None = None
     image_column: str = "image"  # job=edit: each row's reference image(s) (launcher/ledger/references.py)
+    bad_rows: str = "refuse"  # refuse (exit 2 naming the row) | skip (to rejected/<run id>.parquet: ledger/rejected.py)
+    # source columns carried into every output with their Arrow types: a list of names, or "all"
+    keep_columns: Any = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class GenerateConfig:
     seed: int = 0
     images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
     size_from_reference: bool = False  # job=edit: the first reference's size, rounded to the model's factor
+    reference_fit: str = "crop"  # job=edit: crop (cover, center-crop) | pad (fit, black borders) | stretch
     # key -> values: every prompt at every combination, samples <base id>@<v> (launcher/ledger/sweep.py)
     sweep: Any = None
 
@@ -90,6 +94,7 @@ class RunConfig:
     on_error: str = "continue"  # continue | abort
     stale: str = "error"  # error | regenerate | keep: what to do with done shards whose prompts changed
     timeout_s: int = 600  # process-group timeout: how long a rank waits on a silent peer
+    max_attempts: int = 3  # a shard failed this often with one error class is not retried by run.shards=pending
 
 
 @dataclass
@@ -98,7 +103,9 @@ class OutputConfig:
     format: str = "png"  # png | jpeg | webp
     quality: int = 95  # jpeg and lossy webp, 1..100
     lossless: bool = False  # webp only (png is always lossless)
-    image_files: bool = True  # images/shard-NNNNN/<id>.<ext>
+    # images/shard-NNNNN/<id>.<ext>. Off by default since issue 35: the Parquet holds each image once
+    image_files: bool = False
+    embed_images: bool = True  # false: the Parquet's image column points at the files (which are then written)
     png: bool | None = None  # the old name of image_files: still works, with a notice (load_config maps it)
     parquet: bool = True
     reference_bytes: bool = False  # job=edit: also keep the first reference's bytes (column reference_image)
@@ -108,7 +115,20 @@ class OutputConfig:
     png_level: int = 1  # zlib level: 1 is fast, 9 small
     webp_method: int = 0  # libwebp effort 0..6: 0 is ~3x faster than 4 for 0.2 dB at quality 95
     encode_workers: int = 0  # PNG encoding processes per writer rank; 0: half the cores, shared by the writers
-    queue_shards: int = 2  # finished shards waiting for the writer before generation waits (backpressure)
+    queue_shards: int = 2  # finished batches waiting for the writer before generation waits (backpressure)
+    publish: str = ""  # hf://datasets/ORG/NAME, s3:// or gs://: each done shard is pushed there, the card at the end
+    metrics: str = ""  # a local PATH.prom: the run's progress as a Prometheus textfile (node-exporter's collector)
+
+
+@dataclass
+class QualityConfig:
+    """Columns scored on the chips as the images are made (launcher/worker/quality.py); they change no image."""
+
+    clip_score: bool = False  # clip_score (float32): 100 * cosine of the CLIP image and prompt embeddings
+    clip_model: str = "openai/clip-vit-large-patch14"
+    safety: bool = False  # nsfw (bool): diffusers' StableDiffusionSafetyChecker
+    safety_model: str = "CompVis/stable-diffusion-safety-checker"
+    batch_size: int = 16  # images per scoring call
 
 
 @dataclass
@@ -155,6 +175,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
@@ -217,6 +238,8 @@ def load_config(conf: str = "tiny", overrides: list[str] | None = None) -> DictC
             raise ConfigError(f"mesh.{key}={v!r} must be a whole number or auto")
     if cfg.output.png is not None:  # the old name wins where it is given: it is what the user wrote
         cfg.output.image_files = cfg.output.png
+    if not cfg.output.embed_images:  # rows that point at files need the files
+        cfg.output.image_files = True
     if cfg.output.format == "jpg":  # the files' own suffix: the same format, one name in the fingerprint
         cfg.output.format = "jpeg"
     resolve_paths(cfg)

@@ -1,5 +1,6 @@
-"""`./launch.sh --help`: the confs, the config groups, and every key with its type and default (from the schema in
-launcher/config.py, so the list cannot drift from what composes)."""
+"""`./launch.sh --help`: the confs (each file's whole leading comment), the config groups, and every key with its
+type and default (from the schema in launcher/config.py, so the list cannot drift from what composes) and what it
+means (launcher/keys_doc.py, which docs/reference.md is generated from too)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,37 @@ Exit status: 0 done, 2 bad configuration or input, 3 some shards not done, 4 out
 
 def help_text() -> str:
     from launcher.config import CONF_DIR, JobConfig, available_confs
+    from launcher.keys_doc import describe
 
     lines = [USAGE, "", "confs:"]
     for name in available_confs():
-        first = (CONF_DIR / f"{name}.yaml").read_text().splitlines()[:1]
-        about = first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
-        lines.append(f"  {name:<16} {about}")
+        lines += _wrapped(f"  {name:<20} ", conf_about(CONF_DIR / f"{name}.yaml"), 23)
     lines += ["", "groups (group=option):"]
     for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))):
-        lines.append(f"  {group.name:<16} {', '.join(sorted(p.stem for p in group.glob('*.yaml')))}")
-    lines += ["", "keys (type, default):"]
-    lines += [f"  {key:<34} {kind:<16} {default}" for key, kind, default in keys(JobConfig)]
+        lines += _wrapped(f"  {group.name:<20} ", ", ".join(sorted(p.stem for p in group.glob("*.yaml"))), 23)
+    lines += ["", "keys (type, default; what it means):"]
+    for key, kind, default in keys(JobConfig):
+        lines.append(f"  {key:<34} {kind:<16} {default}")
+        lines += _wrapped("      ", describe(key), 6)
     return "\n".join(lines)
+
+
+def conf_about(path) -> str:
+    """A conf file's description: its leading comment lines, joined."""
+    about = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        about.append(line.lstrip("#").strip())
+    return " ".join(about)
+
+
+def _wrapped(first: str, text: str, indent: int, width: int = 116) -> list[str]:
+    import textwrap
+
+    if not text:
+        return [first.rstrip()] if first.strip() else []
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=" " * indent, break_on_hyphens=False)
 
 
 # Where the schema's type is wider than what a key takes (OmegaConf has no int-or-"auto" type).

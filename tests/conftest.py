@@ -393,6 +393,32 @@ def s3(tmp_path_factory):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A local GCS server (fake-gcs-server, see tests/gcs_server.py) on 127.0.0.1, with the bucket meshgen-test;
+    yields the env that reaches it (STORAGE_EMULATOR_HOST, as Google's clients read it)."""
+    from gcs_server import BUCKET, start
+
+    server, url = start(tmp_path_factory.mktemp("gcs") / "server.log")
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        os.environ["STORAGE_EMULATOR_HOST"] = url  # for this process's own reads (status, card, comparisons)
+        from launcher.ledger.gcs import gcs_client
+
+        gcs_client().create_bucket(BUCKET)
+        yield {"STORAGE_EMULATOR_HOST": url}
+    finally:
+        server.terminate()
+        server.wait()
+        os.environ.pop("STORAGE_EMULATOR_HOST") if old is None else os.environ.__setitem__("STORAGE_EMULATOR_HOST", old)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store_env(request) -> tuple[str, dict]:
+    """Each local object store in turn: (the scheme, the env that reaches its server, bucket meshgen-test)."""
+    return request.param, request.getfixturevalue("s3" if request.param == "s3" else "gcs")
+
+
 def shifted_clock(folder: Path, seconds: float) -> dict:
     """The env of a run whose processes all see time.time() shifted by `seconds` (a host whose clock drifted):
     a sitecustomize on PYTHONPATH, imported by every Python process of the run, the workers included."""
@@ -426,3 +452,33 @@ def silent_hub():
     server.close()
     for conn in held:
         conn.close()
+
+
+# The Hub that tools.publish and output.publish push to in the tests.
+REPO_ID = "org/ds"
+TARGET = f"hf://datasets/{REPO_ID}"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """The fake Hub on loopback (tests/fake_hub.py) with an empty dataset repo REPO_ID and a write token."""
+    from fake_hub import FakeHub, Repo, serve
+
+    hub = FakeHub(tokens={"wtok": "write", "rtok": "read"})
+    hub.repos[f"datasets/{REPO_ID}"] = Repo({})
+    server = serve(hub)
+    hub.env = {
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": "wtok",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_XET": "1",  # the fake speaks the LFS protocol; the real Hub takes either
+        "HF_HUB_ETAG_TIMEOUT": "2",
+    }
+    yield hub
+    server.shutdown()
+
+
+def publish(out, target: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m tools.publish OUT TARGET ARGS` as a user runs it."""
+    cmd = [sys.executable, "-m", "tools.publish", str(out), target, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)

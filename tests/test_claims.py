@@ -160,16 +160,16 @@ def test_claim_edges_out_of_space_a_lost_create_and_the_finish_boundary(tmp_path
     assert Claims(store, 0, "b").try_claim(8, seen=None)
 
 
-@pytest.mark.parametrize("where", ["disk", "s3"])
+@pytest.mark.parametrize("where", ["disk", "s3", "gs"])
 def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_path, request):
     """A run killed between a shard's state and its claim's release leaves the claim on a done shard, which no
     later run claims again: the end of a run that shares the folder with no live run deletes it (and on disk the
     empty folders), and keeps a live run's claim. Seen once as a finished folder that kept claims/ (test_faults)."""
     from launcher.ledger.plan import tidy
 
-    if where == "s3":
-        request.getfixturevalue("s3")  # the local S3 server
-    store = Store(str(tmp_path) if where == "disk" else "s3://meshgen-test/tidy")
+    if where != "disk":
+        request.getfixturevalue({"s3": "s3", "gs": "gcs"}[where])  # the local S3 or GCS server
+    store = Store(str(tmp_path) if where == "disk" else f"{where}://meshgen-test/tidy")
     store.write_json("state/shard-00001.json", {"status": "done", "attempt": "killed/g00000"})
     assert Claims(store, 0, "killed").try_claim(1, seen="killed/g00000")  # run "killed" holds no lock: dead
     live, ending = RunLock(store, 3, "live"), RunLock(store, 0, "ending")  # `ending`: the run whose end it is

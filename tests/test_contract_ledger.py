@@ -1,12 +1,10 @@
 """Known answers for the ledger's promises: the exit code for every mix of done / failed / pending shards, one
-winner of a claim race (on disk and on the local S3 server), S3's conditional create, GCS's create seam and the
-lock's exit 4 on S3. Written against behaviour (who wins, what code), not against the records' fields."""
+winner of a claim race (on disk and on the local S3 and GCS servers), the object stores' conditional create and
+the lock's exit 4 on them. Written against behaviour (who wins, what code), not against the records' fields."""
 
 import multiprocessing
 import os
-import sys
 import threading
-import types
 
 import pytest
 from conftest import launch
@@ -119,14 +117,14 @@ def test_of_workers_taking_over_at_once_exactly_one_wins_on_disk(tmp_path):
     assert _race(str(tmp_path), 3, 5) == [0, 1, 1]
 
 
-def test_of_workers_taking_over_at_once_exactly_one_wins_on_s3(s3):
-    url = "s3://meshgen-test/race"
+def test_of_workers_taking_over_at_once_exactly_one_wins_on_an_object_store(store_env):
+    url = f"{store_env[0]}://meshgen-test/race"
     _dead_claim(Store(url), 5)
     assert _race(url, 2, 5) == [0, 1]
 
 
-def test_s3_conditional_create_refuses_an_existing_key(s3):
-    store = Store("s3://meshgen-test/create")
+def test_conditional_create_refuses_an_existing_key(store_env):
+    store = Store(f"{store_env[0]}://meshgen-test/create")
     assert store.create_exclusive("x/y.json", b'{"a": 1}')
     assert not store.create_exclusive("x/y.json", b'{"a": 2}')
     assert store.read_json("x/y.json") == {"a": 1}
@@ -143,50 +141,8 @@ def test_s3_conditional_create_refuses_an_existing_key(s3):
     assert len(wins) == 1 and store.read_bytes("x/z.json") == str(wins[0]).encode()
 
 
-def test_gcs_create_asks_for_generation_0_and_reads_a_failed_precondition_as_taken(monkeypatch):
-    """No GCS server here: the seam is google-cloud-storage's upload with if_generation_match=0 (create only if
-    absent), whose PreconditionFailed means "exists"."""
-
-    class PreconditionFailed(Exception):
-        pass
-
-    blobs: dict[str, bytes] = {}
-
-    class Blob:
-        def __init__(self, key):
-            self.key = key
-
-        def upload_from_string(self, data, if_generation_match=None):
-            if if_generation_match != 0:
-                blobs[self.key] = data  # without the precondition GCS overwrites: the race would be lost
-                return
-            if self.key in blobs:
-                raise PreconditionFailed(self.key)
-            blobs[self.key] = data
-
-    client = types.SimpleNamespace(bucket=lambda name: types.SimpleNamespace(blob=lambda key: Blob(f"{name}/{key}")))
-    exc = types.ModuleType("google.api_core.exceptions")
-    exc.PreconditionFailed = PreconditionFailed
-    storage = types.ModuleType("google.cloud.storage")
-    storage.Client = lambda: client
-    for name, mod in {
-        "google": types.ModuleType("google"),
-        "google.api_core": types.ModuleType("google.api_core"),
-        "google.api_core.exceptions": exc,
-        "google.cloud": types.ModuleType("google.cloud"),
-        "google.cloud.storage": storage,
-    }.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    sys.modules["google.cloud"].storage = storage
-    from launcher.ledger.store import _gcs_create_exclusive
-
-    assert _gcs_create_exclusive("b", "claims/g0.json", b"first")
-    assert not _gcs_create_exclusive("b", "claims/g0.json", b"second")
-    assert blobs == {"b/claims/g0.json": b"first"}
-
-
-def test_a_live_lock_on_s3_refuses_a_second_run_of_the_same_worker(s3):
-    url = "s3://meshgen-test/locked"
+def test_a_live_lock_on_an_object_store_refuses_a_second_run_of_the_same_worker(store_env):
+    url = f"{store_env[0]}://meshgen-test/locked"
     with RunLock(Store(url), 0, "first"):
         with pytest.raises(LockHeld, match=r"workers.index=0.*pid \d+") as refused:
             RunLock(Store(url), 0, "second").acquire()
@@ -197,10 +153,11 @@ def test_a_live_lock_on_s3_refuses_a_second_run_of_the_same_worker(s3):
         pass
 
 
-def test_a_live_s3_lock_makes_a_launch_exit_4(s3, tiny_model):
-    url = "s3://meshgen-test/locked-launch"
+def test_a_live_object_store_lock_makes_a_launch_exit_4(store_env, tiny_model):
+    scheme, env = store_env
+    url = f"{scheme}://meshgen-test/locked-launch"
     with RunLock(Store(url), 0, "first"):
-        res = launch(f"model.path={tiny_model}", f"output.dir={url}", env=s3)
+        res = launch(f"model.path={tiny_model}", f"output.dir={url}", env=env)
     assert res.returncode == 4, res.stderr[-2000:]
     assert "another run is active" in res.stderr and "workers.index=0" in res.stderr
 
@@ -225,7 +182,9 @@ def test_the_run_record_and_summary_lines_are_what_the_ledger_says(tmp_path):
         plan = Plan([ShardPlan(i, 2, f"fp{i}", status[i]) for i in range(7)], [0, 1, 2, 3, 4], [6])
         lines, record = summarize(store, Ledger(store), plan, "this-run", 0.0, 0, ["./launch.sh", "x=1"])
     assert {
-        k: record[k] for k in record if k not in ("start", "end", "seconds", "images_per_s", "code", "versions")
+        k: record[k]
+        for k in record
+        if k not in ("start", "end", "seconds", "images_per_s", "code", "versions", "metrics")
     } == {
         "run_id": "this-run",
         "exit_code": 3,
@@ -245,6 +204,17 @@ def test_the_run_record_and_summary_lines_are_what_the_ledger_says(tmp_path):
         "startup_s": None,  # no state of this run says when its first shard started
     }
     assert record["images_per_s"] == round(4 / record["seconds"], 3) and record["seconds"] > 0
+    metrics = record["metrics"]  # output.metrics's numbers: this run's shards 0, 1 (done) and 2 (failed)
+    assert {k: metrics[k] for k in metrics if k not in ("images_per_second", "run_seconds")} == {
+        "samples_done": 4,
+        "samples_failed": 0,
+        "shards_done": 2,
+        "shards_failed": 1,
+        "shard_seconds_count": 0,  # no state here says how long it took
+        "shard_seconds_sum": 0,
+        "shard_last_seconds": None,
+        "stage_seconds": {"denoise": 2.0, "encode": 0.5},
+    }
     assert [lines[0], lines[2], *lines[3:]] == [
         "shards: 3 done, 1 failed, 2 pending, 1 stale (kept)",
         "time per stage (s, summed over shards): denoise 2.0, encode 0.5",

@@ -142,13 +142,13 @@ def clock_stepped_on(flag, folder, seconds: float) -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)}
 
 
-@pytest.mark.parametrize("where", ["disk", "s3"])
+@pytest.mark.parametrize("where", ["disk", "s3", "gs"])
 def test_the_same_command_takes_over_the_lock_of_a_killed_run(where, tiny_model, tmp_path, request):
     """kill -9 of a whole run (launcher and workers: no heartbeat, no release), then the same command: it takes the
     lock over at once (on S3 too: the lock names a dead process of this machine) and finishes every sample once.
     Its wall clock steps back 120 s mid-run: no duration it prints is negative."""
-    env = request.getfixturevalue("s3") if where == "s3" else {}
-    out = _url(tmp_path, "killed") if where == "s3" else str(tmp_path / "out")
+    env = request.getfixturevalue({"s3": "s3", "gs": "gcs"}[where]) if where != "disk" else {}
+    out = _url(tmp_path, "killed").replace("s3://", f"{where}://") if where != "disk" else str(tmp_path / "out")
     store, n = Store(out), 8
     job = slow_job(tiny_model, tmp_path, n, "mesh.tp=1", "mesh.dp=1", f"output.dir={out}")
     first = start(*job, env=env)

@@ -1,4 +1,5 @@
-"""Several workers on one job, on local disk and on an S3-compatible store: shards shared, none lost or doubled."""
+"""Several workers on one job, on local disk and on object stores (local S3 and GCS servers): shards shared, none
+lost or doubled."""
 
 import contextlib
 import json
@@ -131,8 +132,9 @@ def test_a_rerun_of_a_few_shards_is_split_between_workers(slow, one_worker, tmp_
     assert read_rows(out) == read_rows(one_worker)
 
 
-def test_s3_two_workers_failure_and_resume(job, one_worker, s3):
-    url = "s3://meshgen-test/run1"
+def test_object_store_two_workers_failure_and_resume(job, one_worker, store_env):
+    scheme, s3 = store_env  # s3:// and gs:// alike
+    url = f"{scheme}://meshgen-test/run1"
     # Shard 3 fails, the rest are done. The folder's ledger decides each worker's code (tests/test_contract_ledger.py):
     # 3 once shard 3's failed state is written, 0 for a worker that ended while the other still held shard 3. The
     # same command resumes it, all on the object store.

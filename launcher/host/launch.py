@@ -144,8 +144,10 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     """The books of the run (lock, plan, records, summary), the workers in between. On a job over several hosts
     the first host's launcher keeps them; the others only run their workers."""
     from launcher.host.card import write_card
+    from launcher.host.metrics import metrics_file
+    from launcher.host.publish_run import start_publisher
     from launcher.host.space import stopped_by_space
-    from launcher.ledger import runs
+    from launcher.ledger import rejected, runs
     from launcher.ledger.lock import RunLock, other_live_runs
     from launcher.ledger.plan import make_plan, tidy
     from launcher.ledger.stale import record_kept
@@ -155,6 +157,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     cfg = pf.cfg
     store, sizes, ledger, plan = pf.store, pf.sizes, pf.ledger, pf.plan
     index, _ = resolve_workers(cfg)
+    publisher = start_publisher(cfg, store)  # output.publish: the target is probed first (exit 2)
     start = time.monotonic()  # durations never come from the wall clock: it may step mid-run
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
     with RunLock(store, index, run_id) as lock:
@@ -172,6 +175,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
         rerun = rerun_command(cfg, conf, overrides)
         full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
         full |= best_effort("the ledger's index", ledger.save_index)
+        full |= best_effort("the rejected rows", rejected.write, store, run_id, plan.rejected)  # dataset.bad_rows=skip
         clean_tmp(store)
         if plan.stale and cfg.run.stale == "keep":
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
@@ -180,19 +184,26 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
                 "run.stale=keep", record_kept, store, {i: plan.shards[i].fingerprint for i in plan.stale}
             )
         code = EXIT_OK
+        metrics = metrics_file(cfg, store, plan, run_id, start)  # output.metrics (launcher/host/metrics.py)
         if plan.selected and not full:
-            code, full = generate(cfg, store, ledger, plan, run_id, start, plan_, sizes)
-        elif not plan.selected:
+            code, full = generate(cfg, store, ledger, plan, run_id, start, plan_, sizes, publisher, metrics)
+        elif not plan.selected and not plan.held:
             logger.info("nothing to do: every selected shard of %s is done", store)
         lines, record = summarize(store, ledger, plan, run_id, start, code, rerun)
         code = record["exit_code"]
+        if metrics is not None:
+            metrics.final(record["metrics"])
         full |= best_effort("the run's record", runs.write_record, store, record)
         if lock.held():  # else taken over (this run looked dead): the folder's books are the new holder's
             full |= best_effort("the ledger's index", ledger.save_index)
             full |= best_effort("the dataset card", write_card, store, ledger.states)
         best_effort("leftover plans", tidy, store, lock)
+    push_failed = publisher.finish() if publisher else None  # after the card: it goes last
     for line in lines:
         logger.info(line)
+    if push_failed:
+        code = code if code != EXIT_OK else EXIT_SHARDS_FAILED
+        print(f"error: {push_failed}", file=sys.stderr)
     last = stopped_by_space(cfg, store, ledger.states, run_id, full) if code == EXIT_SHARDS_FAILED else None
     if last:
         print(last, file=sys.stderr)  # the last line: what stopped the run and how to finish it
@@ -215,7 +226,9 @@ def rerun_command(cfg, conf: str, overrides: list[str]) -> list[str]:
     return out
 
 
-def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchPlan, sizes) -> tuple[int, bool]:
+def generate(
+    cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchPlan, sizes, publisher=None, metrics=None
+):
     """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
     from launcher.host.terminal import WorkerLogs
     from launcher.ledger.plan import plan_rel, write_plan_file
@@ -228,7 +241,10 @@ def generate(cfg, store, ledger, plan, run_id: str, start: float, plan_: LaunchP
         return EXIT_SHARDS_FAILED, True
     os.environ["MESHGEN_RUN_ID"] = run_id
     try:
-        with WorkerLogs(store, run_id) as logs, Progress(ledger, samples, run_id):
+        with (
+            WorkerLogs(store, run_id) as logs,
+            Progress(ledger, samples, run_id, publisher and publisher.offer, metrics),
+        ):
             return run_hosts(cfg, plan_, logs), False
     finally:
         best_effort("the removal of the run's plan", store.delete, plan_rel(run_id))
@@ -320,12 +336,26 @@ def dry_run_lines(pf) -> list[str]:
     cfg, plan = pf.cfg, pf.plan
     lines = [f"# device: {pf.device} (device={cfg.device}), chip: {pf.mesh.chip.name}"]
     lines += [pf.mesh.line(), *(f"# mesh: {w}" for w in pf.mesh.why), *pf.notes]
+    from launcher.ledger.sweep import n_variants
+
     todo = plan.prompts(plan.selected)
+    images = todo * cfg.generate.images_per_prompt * n_variants(cfg.generate)  # each prompt's samples, every variant
     counts = {st: sum(1 for s in plan.shards if s.status == st) for st in ("done", "failed", "stale")}
     lines.append(
-        f"# plan: {len(plan.selected)} of {len(plan.shards)} shards to generate ({todo} prompts, "
-        f"{todo * cfg.generate.images_per_prompt} images); " + ", ".join(f"{n} {st}" for st, n in counts.items())
+        f"# plan: {len(plan.selected)} of {len(plan.shards)} shards to generate ({todo} prompts, {images} images); "
+        + ", ".join(f"{n} {st}" for st, n in counts.items())
     )
+    if plan.held:  # run.max_attempts
+        why = "failed run.max_attempts times with the same error; run.shards=failed retries them"
+        lines.append(f"# not retried: shards {plan.held} {why}")
+    if plan.rejected:  # dataset.bad_rows=skip
+        first = plan.rejected[0]
+        at = f"{first['file']}, line {first['line']}" if first["file"] else f"row {first['position']}"
+        n = len(plan.rejected)
+        lines.append(f"# rejected: {n} rows set aside (dataset.bad_rows=skip), e.g. {at}: {first['reason']}")
+    from launcher.host.cost import cost_lines
+
+    lines += cost_lines(pf)  # replicas, output bytes and room, download, expected time
     index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host
     lines.append(f"# workers: index={index} count={count}")  # last: the torchrun command follows
     return lines

@@ -124,8 +124,11 @@ def forget_dead(store: Store) -> None:
     that still holds its own lock (launcher/ledger/plan.py's tidy): one taken over judges nobody."""
     import pyarrow.fs as pafs
 
-    shards = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), allow_not_found=True))
-    for folder in (f"{CLAIMS_DIR}/{i.base_name}" for i in shards if i.type == pafs.FileType.Directory):
+    # Recursive: pyarrow's GCS listing names no folder of a non-recursive one, so the claims' own paths tell them.
+    listed = store.fs.get_file_info(pafs.FileSelector(store.path(CLAIMS_DIR), allow_not_found=True, recursive=True))
+    skip = len(store.path(CLAIMS_DIR)) + 1
+    names = {i.path[skip:].split("/")[0] for i in listed if "/" in i.path[skip:] or i.type == pafs.FileType.Directory}
+    for folder in (f"{CLAIMS_DIR}/{name}" for name in sorted(names)):
         for info in store.files(folder, ".json"):
             rel = f"{folder}/{info.base_name}"
             try:

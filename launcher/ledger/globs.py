@@ -88,9 +88,9 @@ def _etag(scheme: str, path: str) -> str | None:
 
         return boto3.client("s3").head_object(Bucket=bucket, Key=key)["ETag"]
     if scheme == "gs://":
-        from google.cloud import storage
+        from launcher.ledger.gcs import gcs_client  # the same server as the listing's (STORAGE_EMULATOR_HOST)
 
-        return storage.Client().bucket(bucket).get_blob(key).etag
+        return gcs_client().bucket(bucket).get_blob(key).etag
     return None
 
 

@@ -9,7 +9,7 @@ Every read and write of a run folder goes through a Store, so the same guarantee
 Object stores fail transiently now and then (a 500, a dropped response stream): every object-store call is
 tried again, 0.5, 1 and 2 s later, before its error is raised. A missing file is never retried.
 Credentials come from the standard places: the `AWS_*` variables (`AWS_ENDPOINT_URL` included) for S3, and
-Google's application default credentials for GCS.
+Google's application default credentials for GCS (or a local GCS server: launcher/ledger/gcs.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ RETRIES = 4  # attempts of one object-store call
 RETRY_DELAY_S = 0.5  # before the second attempt; doubled before each next one
 FOLDER_RACE_TRIES = 5  # to make a local folder that another process removes the moment it is empty
 
+
 HOST = socket.gethostname().replace("/", "_")
 _OPENED = {"remote": False}  # whether this process has opened an object store's client: see open_uri
 
@@ -40,7 +41,26 @@ def open_uri(uri: str) -> tuple[pafs.FileSystem, str]:
     """pyarrow's filesystem for a gs:// or s3:// address, and the path in it; this process remembers it opened one
     (`opened_remote`), because a fork of it would copy the client's threads and connections half-alive."""
     _OPENED["remote"] = True
-    return pafs.FileSystem.from_uri(uri)
+    if uri.startswith("gs://") and "?" not in uri:  # an address with options: pyarrow's own parser reads them
+        from launcher.ledger.gcs import open_gcs
+
+        return open_gcs(uri)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return (_bounded_s3(fs) if isinstance(fs, pafs.S3FileSystem) else fs), path
+
+
+S3_TIMEOUT_S = 5  # connect, and the longest silence within a request (curl's low-speed limit on Linux)
+RETRY_BUDGET_S = 15  # no object-store call is tried again after this long: an unreachable store is exit 2 in <30 s
+
+
+def _bounded_s3(fs: pafs.S3FileSystem) -> pafs.S3FileSystem:
+    """The same S3 client with its waits bounded: by default an endpoint that accepts connections and never
+    answers holds each request for minutes (200 s measured to the launcher's exit). Its own retries are left to
+    Store._call, which bounds them in time."""
+    rebuild, (options,) = fs.__reduce__()
+    options = {**options, "connect_timeout": S3_TIMEOUT_S, "request_timeout": S3_TIMEOUT_S}
+    options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=1)
+    return rebuild(options)
 
 
 def opened_remote() -> bool:
@@ -89,12 +109,12 @@ class Store:
 
     def _call(self, fn: Callable, *args):
         """fn(*args); on an object store, tried again after a transient error."""
-        attempts = 1 if self.is_local else RETRIES
+        attempts, start = 1 if self.is_local else RETRIES, time.monotonic()
         for n in range(attempts):
             try:
                 return fn(*args)
             except OSError as e:
-                if _missing(e) or n == attempts - 1:
+                if _missing(e) or n == attempts - 1 or time.monotonic() - start > RETRY_BUDGET_S:
                     raise
                 delay = RETRY_DELAY_S * 2**n
                 logger.warning("%s: %s; trying again in %.1f s", self.uri, str(e).splitlines()[0][:200], delay)
@@ -272,7 +292,9 @@ class Store:
         if self.scheme == "s3":
             return _s3_create_exclusive(bucket, key, data)
         if self.scheme == "gs":
-            return _gcs_create_exclusive(bucket, key, data)
+            from launcher.ledger.gcs import create_exclusive
+
+            return create_exclusive(bucket, key, data)
         raise NotImplementedError(f"no atomic create for {self.scheme}://")
 
 
@@ -293,27 +315,22 @@ def _open_temp_beside(path: Path):
     return tmp, open(tmp, "wb")
 
 
+def _BOTO_BOUNDS():  # noqa: N802 - what boto3 clients of ours wait at most, as _bounded_s3 for pyarrow's
+    from botocore.config import Config
+
+    return Config(connect_timeout=S3_TIMEOUT_S, read_timeout=2 * S3_TIMEOUT_S, retries={"total_max_attempts": 2})
+
+
 def _s3_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
     import boto3
     from botocore.exceptions import ClientError
 
     try:
-        boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        boto3.client("s3", config=_BOTO_BOUNDS()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
             return False
         raise
-    return True
-
-
-def _gcs_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
-    from google.api_core.exceptions import PreconditionFailed
-    from google.cloud import storage
-
-    try:
-        storage.Client().bucket(bucket).blob(key).upload_from_string(data, if_generation_match=0)
-    except PreconditionFailed:
-        return False
     return True
 
 

@@ -252,3 +252,19 @@ PIPELINES = {
 
 def published_pipeline(hub_id: str) -> str:
     return PIPELINES.get(hub_id, "")
+
+
+# hub id -> (GB the launcher downloads: the files the pipeline loads, gated). The sizes are the parameter counts of
+# the configs above at the dtype the repos store (bfloat16 or float16: 2 bytes a parameter), tokenizers and configs
+# left out: "about", good to a few percent. Gated: True where the repo asks an account to accept its license before
+# any download (FLUX.1-dev's and FLUX.2-dev's non-commercial licenses, Stability's community license for SD3.5),
+# False where it is open (Qwen-Image, Apache-2.0), None where this project has not checked.
+DOWNLOADS: dict[str, tuple[float, bool | None]] = {
+    "black-forest-labs/FLUX.2-dev": (111.3, True),
+    "black-forest-labs/FLUX.2-klein-4B": (16.0, None),
+    "black-forest-labs/FLUX.1-schnell": (33.7, None),
+    "black-forest-labs/FLUX.1-dev": (33.7, True),
+    "stabilityai/stable-diffusion-3.5-medium": (16.3, True),
+    "stabilityai/stable-diffusion-3.5-large": (27.6, True),
+    "Qwen/Qwen-Image": (57.7, False),
+}
