@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.errors import ConfigError
 from launcher.hashes import files_sha256
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -70,9 +71,15 @@ def model_weights(path: str) -> ModelWeights | None:
         for name, spec in sorted(index.items())
         if not name.startswith("_") and isinstance(spec, list) and (root / name).is_dir()
     }
-    etags = {f: _etag(f) for fs in files.values() for f in fs}
-    unlinked = [f for f, e in etags.items() if e is None]
-    etags.update(zip(unlinked, files_sha256(unlinked, what=path), strict=True))
+    try:
+        etags = {f: _etag(f) for fs in files.values() for f in fs}
+        unlinked = [f for f, e in etags.items() if e is None]
+        etags.update(zip(unlinked, files_sha256(unlinked, what=path), strict=True))
+    except OSError as e:  # unreadable, or replaced while we looked: one line, not a traceback
+        raise ConfigError(
+            f"model.path {path}: cannot read its weights to fingerprint them ({type(e).__name__}: {e}); "
+            "make the files readable (or wait for a copy in progress to finish) and run the same command"
+        ) from None
     digests = {}
     for name, fs in files.items():
         if fs:

@@ -168,6 +168,7 @@ LEFT_OUT = {
     "run.max_attempts": "5",
     "dataset.bad_rows": "skip",  # a set-aside row is left out of its shard's prompts fingerprint, not the settings
     "output.publish": "hf://datasets/org/name",
+    "output.metrics": "/tmp/meshgen.prom",
     # fingerprinted for job=edit only, off its default (tests/test_runtime_bounds.py); tiny is text to image
     "generate.reference_fit": "pad",
     "output.dir": "/elsewhere/out",

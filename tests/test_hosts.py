@@ -67,14 +67,27 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
 
 
 def test_hosts_started_with_other_settings_all_refuse_before_anything_is_written(tiny_model, tmp_path):
-    """Host 1 joins host 0's job with its own generation settings: every host exits 2 naming what differs, before
-    any worker starts or a byte is written (it used to generate its share with them, and exit 0)."""
+    """Host 1 joins host 0's job with its own generation settings and its own way of storing images: every host
+    exits 2 naming what differs, before any worker starts or a byte is written (it used to generate its share
+    with them, and exit 0). Its own metrics file is its own business."""
     out = tmp_path / "out"
     job = [f"model.path={tiny_model}", PROMPTS, "mesh.nodes=2", "mesh.dp=2", "mesh.tp=1", f"output.dir={out}"]
-    procs = start_hosts(job, free_port(), extra={1: ["generate.guidance_scale=9", "generate.seed=5"]})
+    procs = start_hosts(
+        job,
+        free_port(),
+        extra={
+            1: [
+                "generate.guidance_scale=9",
+                "generate.seed=5",
+                "output.embed_images=false",
+                f"output.metrics={tmp_path / 'h1.prom'}",
+            ]
+        },
+    )
     ended = finish(procs, timeout=240)
     line = (
-        "error: host 1's settings differ from host 0's: generate.guidance_scale 9.0 != 4.0, generate.seed 5 != 0; "
+        "error: host 1's settings differ from host 0's: generate.guidance_scale 9.0 != 4.0, generate.seed 5 != 0, "
+        "config.output.image_files true != false, config.output.embed_images false != true; "
         "start every host with the same job"
     )
     for node, (code, err) in enumerate(ended):

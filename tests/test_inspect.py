@@ -69,7 +69,9 @@ def test_card_front_matter_loads_the_run_as_an_image_dataset(run_job, tmp_path, 
     assert front["dataset_info"]["download_size"] == sum(f.stat().st_size for f in parquet)
     assert front["dataset_info"]["dataset_size"] == split["num_bytes"] > 0
     assert front["size_categories"] == ["n<1K"]
-    assert "row groups of 64 rows" in card and "png (lossless, zlib level 1), `.png` files" in card
+    assert "row groups of 64 rows" in card
+    # the default run stores each image once, in the Parquet (issue 35): the card says so, and names no files
+    assert "png (lossless, zlib level 1), stored as the `image` column's bytes\n" in card
     [config] = front["configs"]
     assert config["data_files"] == [{"split": "train", "path": "data/*.parquet"}]
     assert front["license"] == "other" and front["license_name"] == "random-weights-no-license-restrictions"

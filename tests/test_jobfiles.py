@@ -25,10 +25,12 @@ def test_help_lists_the_confs_the_groups_and_every_composed_key(launcher_main, c
     assert text.startswith("usage: ./launch.sh [--dry-run] [--help] [--cfg job]")
     confs = text.split("confs:\n")[1].split("\n\n")[0]
     assert {ln.split()[0] for ln in confs.splitlines()} >= {"tiny", "flux2_tp", "qwenimage_tp", "sd35_medium"}
-    groups = text.split("groups (group=option):\n")[1].split("\n\n")[0]
+    # A group's options wrap onto indented lines: join them to the group's own line.
+    groups = text.split("groups (group=option):\n")[1].split("\n\n")[0].replace(",\n" + " " * 23, ", ")
     assert any(ln.split()[0] == "mesh" and "v6e8_tp8" in ln for ln in groups.splitlines())
     assert any(ln.split()[0] == "model" and "flux2_dev," in ln for ln in groups.splitlines())
-    listed = {ln.split()[0]: ln for ln in text.split("keys (type, default):\n")[1].splitlines()}
+    keys = text.split("keys (type, default; what it means):\n")[1]
+    listed = {ln.split()[0]: ln for ln in keys.splitlines() if ln.startswith("  ") and not ln.startswith("   ")}
     # Every key of a composed job is listed (the config as Hydra composes it, not the list's own source).
     assert main(["--cfg", "job"]) == 0
     composed = flat_keys(yaml.safe_load(capsys.readouterr().out))

@@ -185,3 +185,18 @@ def test_every_column_the_writer_makes_is_reserved():
     sample |= {"reference_image": None, **dict.fromkeys(QUALITY_COLUMNS)}
     names = set(schema_of([sample]).names) | set(SCHEMA.names) | {"ref_sha256", "ref_loc", "rejected"}
     assert names <= RESERVED, names - RESERVED
+
+
+@pytest.mark.parametrize(
+    "output, says",
+    [
+        ({}, "stored as the `image` column's bytes"),  # the default: one copy, in the Parquet
+        ({"image_files": True}, "stored as the `image` column's bytes and `images/shard-NNNNN/<id>.png` files"),
+        ({"png": True}, "stored as the `image` column's bytes and `images/shard-NNNNN/<id>.png` files"),  # old name
+        ({"embed_images": False}, "stored as `images/shard-NNNNN/<id>.png` files; the `image` column's `path`"),
+    ],
+)
+def test_the_card_says_where_the_images_are(output, says):
+    from launcher.host.card import files_section
+
+    assert f"- images: png (lossless, zlib level 1), {says}" in files_section({"format": "png", **output})

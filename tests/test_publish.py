@@ -118,24 +118,34 @@ def test_a_rate_limited_commit_is_sent_again(run_job, hub):
     assert "data/shard-00002.parquet" in pushed(hub) and hub.fail_commits == 0
 
 
-def test_push_to_s3_sends_what_changed_only(run_job, s3, tmp_path):
-    import boto3
+def test_push_to_a_bucket_sends_what_changed_only(run_job, store_env, tmp_path):
+    """On S3 and on GCS (the local servers): only the dataset arrives, byte for byte; again, nothing is sent."""
+    import pyarrow.fs as pafs
 
+    scheme, env = store_env
     out = run_job()
-    target = "s3://meshgen-test/published"
-    env = {**s3}
+    target = f"{scheme}://meshgen-test/published"
     res = publish(out, target, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    client = boto3.client("s3")
-    keys = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket="meshgen-test", Prefix="published/")["Contents"]}
-    data = {k.removeprefix("published/") for k in keys if "/.meshgen-published/" not in k}
+    fs, root = pafs.FileSystem.from_uri(target) if scheme == "s3" else (gcs_fs(), "meshgen-test/published")
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    data = {i.path.removeprefix(root + "/") for i in infos if i.type == pafs.FileType.File}
+    data = {k for k in data if not k.startswith(".meshgen-published/")}
     assert data == {"README.md", *(f"data/shard-{i:05d}.parquet" for i in range(3))}
-    body = client.get_object(Bucket="meshgen-test", Key="published/data/shard-00000.parquet")["Body"].read()
-    assert body == (out / "data/shard-00000.parquet").read_bytes()
+    with fs.open_input_stream(f"{root}/data/shard-00000.parquet") as f:
+        assert f.read() == (out / "data/shard-00000.parquet").read_bytes()
     res = publish(out, target, env=env)
     assert res.returncode == 0 and "sent 0 files" in res.stdout, res.stdout + res.stderr[-2000:]
-    res = publish(out, "s3://no-such-bucket/x", env=env)
+    res = publish(out, f"{scheme}://no-such-bucket/x", env=env)
     assert res.returncode == 2 and "no-such-bucket" in res.stderr.strip().splitlines()[-1]
+
+
+def gcs_fs():
+    """pyarrow's GCS client on the local server (it does not read STORAGE_EMULATOR_HOST itself)."""
+    import pyarrow.fs as pafs
+
+    host = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://")
+    return pafs.GcsFileSystem(endpoint_override=host, scheme="http", anonymous=True)
 
 
 def test_output_publish_pushes_during_the_run_and_a_failed_push_is_finished_by_the_same_command(

@@ -122,6 +122,8 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
             "category": ["animal", "place", None],
             "rank": pa.array([3, 1, 2], pa.int16()),
             "tags": [["a", "b"], [], ["c"]],
+            # no JSON type of its own: WebDataset's JSON writes its text (a TypeError failed every shard once)
+            "made": pa.array([0, 86_400_000_000, None], pa.timestamp("us")),
         }
     )
     pq.write_table(table, src)
@@ -130,7 +132,7 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
         "mesh.tp=1",
         f"dataset.path={src}",
         f"output.dir={out}",
-        "dataset.keep_columns=[category,rank,tags]",
+        "dataset.keep_columns=[category,rank,tags,made]",
         "output.webdataset=true",
         "quality.clip_score=true",
         f"quality.clip_model={clip}",
@@ -140,7 +142,7 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
     assert res.returncode == 0, res.stderr[-3000:]
     data = pq.read_table(out / "data" / "shard-00000.parquet")
     assert data.schema.field("clip_score").type == pa.float32() and data.schema.field("nsfw").type == pa.bool_()
-    for name in ("category", "rank", "tags"):
+    for name in ("category", "rank", "tags", "made"):
         assert data.schema.field(name).type == table.schema.field(name).type
     rows = data.to_pylist()
     assert [r["category"] for r in rows] == ["animal", "place", None] and [r["tags"] for r in rows] == [
@@ -154,7 +156,7 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
     assert [r["nsfw"] for r in rows] == want["nsfw"]
     with tarfile.open(out / "webdataset" / "shard-00000.tar") as tar:
         meta = json.loads(tar.extractfile("1.json").read())
-    assert (meta["category"], meta["rank"], meta["tags"]) == ("place", 1, [])
+    assert (meta["category"], meta["rank"], meta["tags"], meta["made"]) == ("place", 1, [], "1970-01-02 00:00:00")
     assert meta["nsfw"] == rows[1]["nsfw"] and meta["clip_score"] == pytest.approx(rows[1]["clip_score"])
     loaded = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
     assert {"category", "rank", "tags", "clip_score", "nsfw"} <= set(loaded.column_names)
@@ -191,6 +193,19 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
         rel = f"data/{f.stem}.parquet"
         assert st["files"][rel][0] == (plain / rel).stat().st_size
     assert score.main([str(plain), *args]) == 0  # scored already: nothing rewritten
+
+    # A damaged shard (a byte flipped, same size) is not scored: that would record its damage as the truth.
+    bad = tmp_path / "bad"
+    shutil.copytree(run_job("mesh.tp=1"), bad)
+    rel = bad / "data" / "shard-00001.parquet"
+    data = bytearray(rel.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rel.write_bytes(bytes(data))
+    state_before = (bad / "state" / "shard-00001.json").read_bytes()
+    assert score.main([str(bad), *args]) == 0
+    assert (bad / "state" / "shard-00001.json").read_bytes() == state_before and rel.read_bytes() == bytes(data)
+    assert collect(str(bad), verify=True)["shards"]["1"] == "damaged"
+    assert "clip_score" in pq.read_schema(bad / "data" / "shard-00000.parquet").names
 
 
 def test_the_memory_plan_counts_the_quality_models_per_rank():

@@ -196,13 +196,16 @@ def _gzip_bomb(path: Path, inflated: int) -> None:
         f.write(c.flush() + crc.to_bytes(4, "little") + (inflated % 2**32).to_bytes(4, "little"))
 
 
+# The peak of this process's own memory (VmHWM), not ru_maxrss: Linux carries a parent's peak across fork and
+# exec into the child's ru_maxrss, and a pytest worker that has loaded models is past 1 GB itself.
 BOMB_READER = """
-import json, logging, resource, sys
+import json, logging, sys
 logging.basicConfig(level=logging.WARNING)
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
 states = Ledger(Store(sys.argv[1])).refresh()
-print(json.dumps({"states": sorted(states), "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+print(json.dumps({"states": sorted(states), "maxrss_mb": hwm // 1024}))
 """
 
 

@@ -156,3 +156,20 @@ def test_the_hash_cache_is_bounded_and_a_damaged_one_is_ignored(tmp_path, monkey
         paths[-1].write_bytes(bytes([i]) * 100)
     assert hashes.files_sha256(paths) == [hashlib.sha256(bytes([i]) * 100).hexdigest() for i in range(3)]
     assert len(_cache(tmp_path / "cache")) == 2
+
+
+def test_a_weight_file_that_cannot_be_read_is_one_line(tiny_model, tmp_path, monkeypatch):
+    """An unreadable weight file (permissions, a copy replacing it) is exit 2 naming model.path, not a traceback."""
+    import pytest
+
+    import launcher.weights
+    from launcher.errors import ConfigError
+
+    def unreadable(files, what=""):
+        raise PermissionError(13, "Permission denied", str(files[0]))
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    monkeypatch.setattr(launcher.weights, "files_sha256", unreadable)
+    with pytest.raises(ConfigError, match=rf"model.path {model}: cannot read its weights .*PermissionError"):
+        launcher.weights.model_weights(str(model))

@@ -5,8 +5,10 @@ launcher/worker/quality.py computes them during a run: from the stored images, s
 decoded pixels), and the file rewritten whole or not at all with the columns added (replaced where there); then
 its state records the new file's size and sha256, so that "done means verified" still holds. A crash between
 the two leaves a shard that the next run finds damaged and regenerates: nothing reads a half-scored file.
-A shard that already has the asked columns is skipped (--force scores it again). A live run on the folder is
-refused: it writes the same files.
+A shard that already has the asked columns is skipped (--force scores it again), and so is a damaged one (a file
+missing, or not the size and sha256 its state records): scoring it would record its damage as the truth; the
+next run regenerates it. A live run on the folder is refused: it writes the same files. The WebDataset tars keep
+their JSON as it was: the columns go to the Parquet only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from launcher.errors import ConfigError, error_line
 from launcher.ledger.states import read_state, read_states, state_rel
 from launcher.ledger.store import Store
-from launcher.ledger.verify import parquet_rel
+from launcher.ledger.verify import listed_damage, parquet_rel, say_damage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--force", action="store_true", help="score shards that have the columns already")
     args = parser.parse_args(argv)
+    import pyarrow as pa
+
     try:
         done = score_folder(Store(args.output_dir), args)
     except ConfigError as e:
         print(error_line(e), file=sys.stderr)
+        return 2
+    except (OSError, pa.ArrowException) as e:  # a store that fails, a file that changed under us
+        print(error_line(f"{args.output_dir}: {type(e).__name__}: {e}; run the same command again"), file=sys.stderr)
         return 2
     print(f"scored {done} shards")
     return 0
@@ -73,22 +80,41 @@ def score_folder(store: Store, args) -> int:
     q = quality_config(run, args)
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = (run.get("config") or {}).get("model", {}).get("dtype", "bfloat16") if device != "cpu" else "float32"
-    done = sorted(i for i, st in read_states(store).items() if st.get("status") == "done")
-    if done and not store.exists(parquet_rel(done[0])):
+    states = {i: st for i, st in read_states(store).items() if st.get("status") == "done"}
+    if any("files" in st and parquet_rel(i) not in st["files"] for i, st in states.items()):
         raise ConfigError(f"{store} has no Parquet files (output.parquet=false): nothing to add columns to")
+    damage = listed_damage(store, states)
+    say_damage(store, damage)
     scorer, n = None, 0
-    for i in done:
-        pf = store.parquet(parquet_rel(i))
-        have = set(pf.schema_arrow.names)
-        if not args.force and set(Scorer.names_for(q)) <= have:
+    for i in sorted(set(states) - set(damage)):
+        state = read_state(store, i)
+        pf = _verified_parquet(store, i, state)
+        if pf is None:
+            continue
+        if not args.force and set(Scorer.names_for(q)) <= set(pf.schema_arrow.names):
             continue
         scorer = scorer or Scorer(q, device, dtype)
-        rewrite(store, i, pf, scorer)
+        rewrite(store, i, pf, scorer, state)
         n += 1
     return n
 
 
-def rewrite(store: Store, index: int, pf, scorer) -> None:
+def _verified_parquet(store: Store, index: int, state: dict | None):
+    """The shard's Parquet, read once, if it is still what its done state records; None (said) otherwise."""
+    import pyarrow.parquet as pq
+
+    rel = parquet_rel(index)
+    data = store.read_bytes(rel)
+    recorded = ((state or {}).get("files") or {}).get(rel)
+    if state is None or state.get("status") != "done" or data is None:
+        return None  # changed since the listing: nothing to score
+    if recorded is not None and list(recorded) != [len(data), hashlib.sha256(data).hexdigest()]:
+        print(f"shard {index}: {store.url(rel)} is not what its state records: left for the next run", file=sys.stderr)
+        return None
+    return pq.ParquetFile(io.BytesIO(data))
+
+
+def rewrite(store: Store, index: int, pf, scorer, state: dict) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -115,7 +141,6 @@ def rewrite(store: Store, index: int, pf, scorer) -> None:
     data = buf.getvalue()
     meta = pq.ParquetFile(io.BytesIO(data)).metadata
     rel = parquet_rel(index)
-    state = read_state(store, index)
     store.write_bytes(rel, data)
     state.setdefault("files", {})[rel] = [len(data), hashlib.sha256(data).hexdigest()]
     state["data_bytes"] = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))

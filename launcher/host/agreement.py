@@ -18,9 +18,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from omegaconf import OmegaConf
+
 from launcher.errors import ConfigError
 from launcher.host.peers import CONNECT_FOR_S, OP_TIMEOUT_S, connect, key, store_address
 
+# Keys each host may set for itself: where this host's progress goes, and the push that only host 0 makes.
+LOCAL_KEYS = ("config.output.metrics", "config.output.publish", "config.run.overwrite")
 READ_FOR_S = 30.0  # how long the first host keeps its store up for the others to read a mismatch
 SHOWN = 8  # differing keys named in the line
 
@@ -42,6 +46,13 @@ def job_of(cfg) -> dict:
     put("", settings(cfg))
     put("mesh", {"dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
     put("versions", versions())
+    # Not fingerprinted, but each host's workers write with their own: the folder, how images are stored (one
+    # host's shards must not have another schema or layout), the scores, the rows read, the execution.
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for group in ("output", "quality", "dataset", "run", "execution", "job"):
+        put(f"config.{group}", plain.get(group))
+    for k in LOCAL_KEYS:
+        flat.pop(k, None)
     return json.loads(json.dumps(flat))  # as the other hosts read it
 
 

@@ -52,13 +52,6 @@ class Batch:
         return sum(size for size, _ in self.send.values())
 
 
-def images_wanted(meta: dict, images: bool | None) -> bool:
-    """Image files go when asked, and always when the Parquet rows point at them (output.embed_images=false)."""
-    if images is not None:
-        return images
-    return (meta.get("config", {}).get("output") or {}).get("embed_images", True) is False
-
-
 def dataset_shards(run: Store, images: bool | None = None, only: Iterable[int] | None = None) -> list[ShardFiles]:
     """The done shards' dataset files with their recorded sizes and sha256, damaged shards left out (with a warning)."""
     from launcher.ledger.verify import listed_damage, say_damage
@@ -66,7 +59,6 @@ def dataset_shards(run: Store, images: bool | None = None, only: Iterable[int] |
     meta = run.read_json("run.json")
     if meta is None:
         raise ConfigError(f"{run} has no run.json: is it a meshgen output folder? (give the run's output.dir)")
-    with_images = images_wanted(meta, images)
     wanted = None if only is None else set(only)
     states = {
         i: s for i, s in read_states(run).items() if s.get("status") == "done" and (wanted is None or i in wanted)
@@ -82,8 +74,10 @@ def dataset_shards(run: Store, images: bool | None = None, only: Iterable[int] |
             continue  # changed since the listing: the next push judges it
         files = {n: (e[0], e[1]) for n, e in (st.get("files") or _old_files(run, i)).items()}
         data = {n: e for n, e in files.items() if not n.startswith(f"{IMAGES_DIR}/")}
-        # A shard with no data file (output.parquet=false, no webdataset): its image files are the dataset.
-        keep = files if with_images or not data else data
+        # Image files go wherever a shard has them (decided per shard: a folder's settings may change between
+        # runs, and rows made with output.embed_images=false point at them), unless --no-images; a shard with no
+        # data file (output.parquet=false, no webdataset) always sends them: they are the dataset.
+        keep = files if images is not False or not data else data
         shards.append(ShardFiles(i, keep))
     return shards
 
@@ -165,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", help="the run's output.dir: a local folder, s3:// or gs://")
     parser.add_argument("target", help="hf://datasets/ORG/NAME[@REVISION], s3://BUCKET/PATH or gs://BUCKET/PATH")
     images = parser.add_mutually_exclusive_group()
-    images.add_argument("--images", dest="images", action="store_true", default=None, help="also the image files")
-    images.add_argument("--no-images", dest="images", action="store_false", help="never the image files")
+    images.add_argument("--images", dest="images", action="store_true", default=None, help="image files (default)")
+    images.add_argument("--no-images", dest="images", action="store_false", help="not the image files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # the libraries' warnings; our lines: print
     try:

@@ -152,9 +152,13 @@ class BackgroundWriter:
     def _stream(self, b: _Batch) -> None:
         n, samples, b.samples = len(b.samples), b.samples, []
         try:
-            if b.index not in self._broken and self.still_held(b.index):
-                self._begin(b.index)
-                self._process.submit(_add_batch, b.name, samples).result()
+            if b.index in self._broken:
+                return
+            if not self.still_held(b.index):  # a dropped batch: the shard can never be done by us with it
+                self._broken[b.index] = RuntimeError(f"our claim on shard {b.index} was taken over mid-shard")
+                return
+            self._begin(b.index)
+            self._process.submit(_add_batch, b.name, samples).result()
         except Exception as e:  # said when the shard ends: it fails, and its later batches are dropped
             self._broken[b.index] = e
             if isinstance(e, BrokenProcessPool):

@@ -175,7 +175,8 @@ class ShardStream:
         if self._tar is not None:
             meta = {k: s.get(k) for k in names if k not in ("image", "reference_image")}
             _tar_add(self._tar, name, s["encoded"])
-            _tar_add(self._tar, f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True).encode())
+            # default=str: a kept timestamp, date or decimal column has no JSON type of its own
+            _tar_add(self._tar, f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True, default=str).encode())
         self.images += 1
 
     def _flush(self) -> None:
