@@ -56,14 +56,19 @@ def _write_cache(cache: dict[str, dict]) -> None:
     if len(cache) > MAX_ENTRIES:
         kept = sorted(cache, key=lambda k: cache[k].get("used", 0), reverse=True)[:MAX_ENTRIES]
         cache = {k: cache[k] for k in kept}
-    path = cache_path()
+    write_cache_file(cache_path(), cache, "file hashes")
+
+
+def write_cache_file(path: Path, data: dict, what: str) -> None:
+    """A JSON cache in ~/.cache/meshgen, atomically (rename), so that concurrent launchers never read half a file
+    (a lost race loses an entry); a read-only home only means computing it again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
         tmp.replace(path)
-    except OSError as e:  # a read-only home: hash again next time
-        logger.debug("cannot cache file hashes in %s: %s", path, e)
+    except OSError as e:
+        logger.debug("cannot cache %s in %s: %s", what, path, e)
 
 
 def _hit(entry: dict | None, stamp: tuple) -> bool:

@@ -155,15 +155,9 @@ def _read_cache() -> dict:
 
 
 def _write_cache(cache: dict) -> None:
-    """Atomically (rename), so that concurrent launchers never read half a file; a lost race loses an entry."""
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
-        tmp.replace(path)
-    except OSError as e:  # a read-only home: count again next time
-        logger.debug("cannot cache parameter counts in %s: %s", path, e)
+    from launcher.hashes import write_cache_file
+
+    write_cache_file(cache_path(), cache, "parameter counts")
 
 
 # quality.*: the scoring models each writing rank holds beside the pipeline (launcher/worker/quality.py), counted
