@@ -482,6 +482,16 @@ def hub(tmp_path):
     server.shutdown()
 
 
+def load_from_hub(hub, cache: Path, printed: str) -> str:
+    """What `printed` (a Python expression of `ds`) prints after `ds = datasets.load_dataset('org/ds', split='train')`
+    from the fake Hub, in a fresh interpreter (as a user loads it; `cache`: its datasets cache)."""
+    code = f"import datasets, json; ds = datasets.load_dataset('{REPO_ID}', split='train'); print({printed})"
+    env = {**os.environ, **hub.env, "HF_DATASETS_CACHE": str(cache)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 def publish(out, target: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m tools.publish OUT TARGET ARGS` as a user runs it."""
     cmd = [sys.executable, "-m", "tools.publish", str(out), target, *args]

@@ -6,13 +6,11 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO_ID, TARGET, launch, publish
+from conftest import REPO_ID, TARGET, launch, load_from_hub, publish
 
 
 def pushed(hub) -> dict[str, bytes]:
@@ -52,14 +50,9 @@ def test_push_sends_only_the_dataset_once_and_it_loads_back(run_job, hub, tmp_pa
     assert "sent 0 files" in res.stdout
 
     # `datasets` loads the pushed repo from the hub: the card's configs, the Parquet, the image feature.
-    code = (
-        "import datasets; ds = datasets.load_dataset('org/ds', split='train'); "
-        "print(ds.num_rows, type(ds.features['image']).__name__, ds[0]['image'].size)"
-    )
-    env = {**os.environ, **hub.env, "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["20", "Image", "(64,", "64)"]
+    shown = "ds.num_rows, type(ds.features['image']).__name__, ds[0]['image'].size"
+    printed = load_from_hub(hub, tmp_path / "ds", shown)
+    assert printed.split() == ["20", "Image", "(64,", "64)"]
 
 
 def test_a_regenerated_shard_replaces_its_file_alone(run_job, hub, tmp_path):

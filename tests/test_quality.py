@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import TARGET, launch, publish, read_rows
+from conftest import TARGET, launch, load_from_hub, publish, read_rows
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -163,14 +163,8 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
     assert loaded[0]["image"].size == (rows[0]["width"], rows[0]["height"]) and loaded[2]["rank"] == 2
     # Published (the fake Hub on loopback) and loaded back from there: the kept columns and the scores came along.
     assert publish(out, TARGET, env=hub.env).returncode == 0
-    code = (
-        "import datasets, json; ds = datasets.load_dataset('org/ds', split='train'); "
-        "print(json.dumps([{k: r[k] for k in ('category', 'rank', 'tags', 'clip_score', 'nsfw')} for r in ds]))"
-    )
-    env = {**os.environ, **hub.env, "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    from_hub = json.loads(res.stdout)
+    shown = "json.dumps([{k: r[k] for k in ('category', 'rank', 'tags', 'clip_score', 'nsfw')} for r in ds])"
+    from_hub = json.loads(load_from_hub(hub, tmp_path / "ds", shown))
     assert [(r["category"], r["rank"], r["tags"], r["nsfw"]) for r in from_hub] == [
         (r["category"], r["rank"], r["tags"], r["nsfw"]) for r in rows
     ]
@@ -228,8 +222,6 @@ def test_the_memory_plan_counts_the_quality_models_per_rank():
 def test_the_launcher_downloads_the_quality_models_once_for_offline_workers(quality_models, tmp_path):
     """A hub id is fetched by the launcher (only configs, tokenizer files and safetensors), and a worker then loads
     it with HF_HUB_OFFLINE=1; a missing repo is one line before any worker starts."""
-    import subprocess
-    import sys
 
     from fake_hub import FakeHub, serve
 

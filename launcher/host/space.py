@@ -31,12 +31,18 @@ def estimate_bytes(cfg, images: int) -> int:
 
 def free_bytes(store: Store) -> int | None:
     """Free bytes where the output lives (None on an object store: it has no such number)."""
+    probe = _nearest_folder(store)
+    return None if probe is None else shutil.disk_usage(probe).free
+
+
+def _nearest_folder(store: Store):
+    """The output folder, or the nearest folder above it that exists (it may not be made yet); None off disk."""
     if not store.is_local:
         return None
     probe = store.local()
     while not probe.exists():
         probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return probe
 
 
 def warn_if_short(cfg, store: Store, images: int) -> None:
@@ -77,11 +83,9 @@ def free_inodes(store: Store) -> int | None:
     """Files that may still be created where the output lives (None on an object store, or where unknown)."""
     import os
 
-    if not store.is_local:
+    probe = _nearest_folder(store)
+    if probe is None:
         return None
-    probe = store.local()
-    while not probe.exists():
-        probe = probe.parent
     try:
         st = os.statvfs(probe)
     except OSError:
