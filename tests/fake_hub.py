@@ -3,10 +3,12 @@
 It answers what huggingface_hub 2.4 asks (read from its source: hf_api.repo_info / list_repo_tree / whoami /
 preupload_lfs_files / create_commit, _commit_api._fetch_upload_modes / _send_commit, lfs.post_lfs_batch_info /
 lfs_upload, file_download.get_hf_file_metadata, utils/_http.hf_raise_for_status), for models and datasets:
-- GET /api/{models,datasets}/<id>[/revision/<rev>]: the repo's info (sha, siblings);
+- GET /api/{models,datasets}/<id>[/revision/<rev>]: the repo's info (sha, siblings) at that revision;
 - GET /api/{models,datasets}/<id>/tree/<rev>[/<path>][?recursive=true]: files (size, blob id, and `lfs` with the
   sha256 for LFS files) and folders;
-- HEAD and GET /[datasets/]<id>/resolve/<rev>/<path>: the file, with X-Repo-Commit, ETag and Content-Length;
+- POST /api/{models,datasets}/<id>/paths-info/<rev> (form: paths=...): the same entries for the paths that exist;
+- HEAD and GET /[datasets/]<id>/resolve/<rev>/<path>: the file, with X-Repo-Commit, ETag and Content-Length; a
+  `Range: bytes=A-B` request gets those bytes (206), as HfFileSystem reads a file block by block;
 - GET /api/whoami-v2: the token's user and role (tokens in `FakeHub.tokens`); POST /api/validate-yaml: the card;
 - POST /api/<type>s/<id>/preupload/<rev>: each file's upload mode (LFS for data and images, as the Hub's default
   .gitattributes says, and for anything from 10 MiB), and the blob id of the file already at that path;
@@ -16,7 +18,8 @@ lfs_upload, file_download.get_hf_file_metadata, utils/_http.hf_raise_for_status)
   object or a write without a write token changes nothing).
 Writes need a token whose role is "write". A gated repo's info is public (as on the hub), its files answer 401
 without a token and 403 with one, both with X-Error-Code: GatedRepo. Every request is logged as (method, path).
-A dataset repo is `repos["datasets/ORG/NAME"]`; a model repo `repos["ORG/NAME"]`.
+A dataset repo is `repos["datasets/ORG/NAME"]`; a model repo `repos["ORG/NAME"]`. A revision is "main", the repo's
+sha, or a name in `Repo.revisions` (a tag or branch: its own files); any other answers 404 RevisionNotFound.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class Repo:
     gated: bool = False
     sha: str = COMMIT
     commits: list[dict] = field(default_factory=list)  # each commit's header and operations, as sent
+    revisions: dict[str, dict[str, bytes]] = field(default_factory=dict)  # tag or branch -> its files (read only)
+
+    def at(self, rev: str) -> dict[str, bytes] | None:
+        """The files at revision `rev`; None for a revision the repo does not have."""
+        return self.files if rev in ("main", self.sha) else self.revisions.get(rev)
 
 
 @dataclass
@@ -96,12 +104,14 @@ def serve(hub: FakeHub):
             if m := re.fullmatch(kind + r"/commit/([^/]+)", path):
                 return self._commit(_key(m.group(1), m.group(2)), data)
             if m := re.fullmatch(kind + r"(?:/revision/([^/]+))?", path):
-                return self._info(_key(m.group(1), m.group(2)))
+                return self._info(_key(m.group(1), m.group(2)), m.group(3) or "main")
             if m := re.fullmatch(kind + r"/tree/([^/]+)(?:/(.*))?", path):
                 recursive = query.get("recursive", ["false"])[0].lower() == "true"
-                return self._tree(_key(m.group(1), m.group(2)), (m.group(4) or "").strip("/"), recursive)
+                return self._tree(_key(m.group(1), m.group(2)), m.group(3), (m.group(4) or "").strip("/"), recursive)
+            if self.command == "POST" and (m := re.fullmatch(kind + r"/paths-info/([^/]+)", path)):
+                return self._paths_info(_key(m.group(1), m.group(2)), m.group(3), parse_qs(data.decode())["paths"])
             if m := re.fullmatch(r"/(datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
-                return self._file(_key(m.group(1), m.group(2)), m.group(4), self.command == "GET")
+                return self._file(_key(m.group(1), m.group(2)), m.group(3), m.group(4), self.command == "GET")
             self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
 
         def _repo(self, key: str) -> Repo | None:
@@ -109,6 +119,15 @@ def serve(hub: FakeHub):
             if repo is None:
                 self._send(401, b"", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
             return repo
+
+        def _files(self, key: str, rev: str) -> dict[str, bytes] | None:
+            """The repo's files at `rev`, or None once the error is sent (no repo, no such revision)."""
+            repo = self._repo(key)
+            files = repo and repo.at(rev)
+            if repo and files is None:
+                msg = f"Invalid rev id: {rev}"
+                self._send(404, b"", {"X-Error-Code": "RevisionNotFound", "X-Error-Message": msg})
+            return files
 
         def _role(self) -> str | None:
             auth = self.headers.get("Authorization") or ""
@@ -138,30 +157,31 @@ def serve(hub: FakeHub):
                 return self._send(400, json.dumps({"errors": [{"message": str(e)}]}).encode(), {})
             self._json({"warnings": []})
 
-        def _info(self, key: str):
-            repo = self._repo(key)
-            if repo:
+        def _info(self, key: str, rev: str):
+            files = self._files(key, rev)
+            if files is not None:
+                repo = hub.repos[key]
                 repo_id = key.removeprefix("datasets/")
                 info = {
                     "_id": hashlib.sha1(key.encode()).hexdigest()[:24],
                     "id": repo_id,
                     **({"modelId": repo_id} if key == repo_id else {}),
-                    "sha": repo.sha,
+                    "sha": repo.sha if files is repo.files else hashlib.sha1(rev.encode()).hexdigest(),
                     "private": False,
                     "gated": "manual" if repo.gated else False,
                     "disabled": False,
                     "tags": [],
-                    "siblings": [{"rfilename": f} for f in repo.files],
+                    "siblings": [{"rfilename": f} for f in files],
                 }
                 self._json(info)
 
-        def _tree(self, key: str, under: str, recursive: bool):
-            repo = self._repo(key)
-            if repo is None:
+        def _tree(self, key: str, rev: str, under: str, recursive: bool):
+            files = self._files(key, rev)
+            if files is None:
                 return
             prefix = f"{under}/" if under else ""
             entries, folders = [], set()
-            for f, data in sorted(repo.files.items()):
+            for f, data in sorted(files.items()):
                 if not f.startswith(prefix):
                     continue
                 parts = f[len(prefix) :].split("/")
@@ -169,26 +189,48 @@ def serve(hub: FakeHub):
                     folders.add(prefix + "/".join(parts[:depth]))
                 if recursive or len(parts) == 1:
                     entries.append(_entry(key, f, data))
-            entries += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "path": d} for d in folders]
+            entries += [_folder(d) for d in folders]
             if prefix and not entries:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
             self._json(sorted(entries, key=lambda e: e["path"]))
 
-        def _file(self, key: str, name: str, body: bool):
-            repo = self._repo(key)
-            if repo is None:
+        def _paths_info(self, key: str, rev: str, paths: list[str]):
+            files = self._files(key, rev)
+            if files is None:
                 return
+            out = []
+            for p in (p.strip("/") for p in paths):
+                if p in files:
+                    out.append(_entry(key, p, files[p]))
+                elif any(f.startswith(p + "/") for f in files):
+                    out.append(_folder(p))
+            self._json(out)
+
+        def _file(self, key: str, rev: str, name: str, body: bool):
+            files = self._files(key, rev)
+            if files is None:
+                return
+            repo = hub.repos[key]
             if repo.gated:
                 authed = bool(self.headers.get("Authorization"))
                 msg = f"Access to model {key} is restricted and you are not in the authorized list."
                 if not authed:
                     msg = f"Access to model {key} is restricted. You must be authenticated to access it."
                 return self._send(403 if authed else 401, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": msg})
-            data = repo.files.get(name)
+            data = files.get(name)
             if data is None:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.sha})
-            headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{_git_oid(data)}"'}
-            self._send(200, data if body else b"", {**headers, "Content-Type": "application/octet-stream"}, len(data))
+            headers = {
+                "X-Repo-Commit": repo.sha,
+                "ETag": f'"{_git_oid(data)}"',
+                "Content-Type": "application/octet-stream",
+            }
+            if m := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or ""):
+                first, last = int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)
+                headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+                part = data[first : last + 1]
+                return self._send(206, part if body else b"", headers, len(part))
+            self._send(200, data if body else b"", headers, len(data))
 
         def _preupload(self, key: str, payload: dict):
             repo = self._repo(key)
@@ -285,6 +327,10 @@ def _entry(key: str, path: str, data: bytes) -> dict:
     pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{_sha256(data)}\nsize {len(data)}\n".encode()
     lfs = {"oid": _sha256(data), "size": len(data), "pointerSize": len(pointer)}
     return {"type": "file", "oid": _git_oid(pointer), "size": len(data), "path": path, "lfs": lfs}
+
+
+def _folder(path: str) -> dict:
+    return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "path": path}
 
 
 def _sha256(data: bytes) -> str:

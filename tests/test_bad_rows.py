@@ -298,12 +298,13 @@ def test_skip_sets_aside_one_percent_bad_rows_and_generates_every_good_row_once(
     write_plan_file(scratch, "plan.arrow", cfg, plan)
     planned = pa.ipc.open_file(str(tmp_path / "scratch" / "plan.arrow")).read_all().column("id").to_pylist()
     assert sorted(planned) == sorted(f"r{i}" for i in range(10_000) if i not in bad)
-    # A real launch of shard 0, which holds bad rows 37 and 137: its good rows are generated, and every bad row of
-    # the source is in rejected/<run id>.parquet with its reason.
+    # A real launch of shard 0: with an id column a shard holds ids, so shard 0 is the first 200 good ids (bad rows 37
+    # and 137 get none), and every bad row of the source is in rejected/<run id>.parquet with its reason.
     res = launch(*job, "run.shards=[0]", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "100 bad rows set aside" in res.stderr, res.stderr[-2000:]
-    assert sorted(read_rows(out)) == sorted(f"r{i}" for i in range(200) if i not in bad)
+    first = [f"r{i}" for i in range(202) if i not in bad]
+    assert sorted(read_rows(out)) == sorted(first)
     (rejected,) = (out / "rejected").glob("*.parquet")
     got = pq.read_table(rejected).to_pylist()
     assert sorted(r["position"] for r in got) == sorted(bad)
@@ -327,13 +328,14 @@ def test_skip_sets_aside_one_percent_bad_rows_and_generates_every_good_row_once(
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
     page = importlib.import_module("report").report_html(out)
     assert f"100, with their reasons in rejected/{rejected.name}" in page
-    # Fix the bad rows of shard 0: the same job generates them (its shard grew), and no shard is stale.
+    # Fix two bad rows: ids never seen before go to a new shard (50, after the 49 full ones and the 100-row last),
+    # the same job generates them there, and no shard is stale.
     _source(src, fixed={37, 137})
-    res = launch(*job, "run.shards=[0]", timeout=600)
+    res = launch(*job, "run.shards=[50]", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(read_rows(out)) == sorted(f"r{i}" for i in range(200))
+    assert sorted(read_rows(out)) == sorted([*first, "r37", "r137"])
     res = launch("--dry-run", *job)
-    assert res.returncode == 0 and "1 done, 0 failed, 0 stale" in res.stdout, res.stdout + res.stderr[-2000:]
+    assert res.returncode == 0 and "2 done, 0 failed, 0 stale" in res.stdout, res.stdout + res.stderr[-2000:]
 
 
 def test_skip_sets_aside_the_later_of_two_ids_that_make_one_file_name(tmp_path):

@@ -101,7 +101,8 @@ def shard_rows(shards: list[dict]) -> list[str]:
     rows = []
     for s in shards:
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in s["stages"].items() if v)  # most runs never warm up
-        cells = [s["index"], s["status"], s["rows"], fmt(s["seconds"]), fmt(s["images_per_s"])]
+        status = "done, kept-stale" if s.get("kept_stale") else s["status"]  # run.stale=keep: old prompts' images
+        cells = [s["index"], status, s["rows"], fmt(s["seconds"]), fmt(s["images_per_s"])]
         tds = "".join(f"<td>{escape(str(c if c is not None else ''))}</td>" for c in cells)
         tds += f'<td class="text">{when(s["finished_at"])}</td><td class="text">{escape(stages)}</td>'
         tds += f'<td class="text error">{escape(s["error"])}</td>'

@@ -16,11 +16,12 @@ import sys
 
 from launcher.errors import ConfigError, error_line
 from launcher.ledger.runs import latest_record
+from launcher.ledger.stale import KEPT_IDS, kept_stale
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
 from launcher.ledger.verify import hash_damage, listed_damage
 
-STATUSES = ("done", "failed", "pending", "damaged")
+STATUSES = ("done", "failed", "pending", "damaged", "kept-stale")
 
 
 def collect(out: str, verify: bool = False) -> dict:
@@ -44,7 +45,7 @@ def collect(out: str, verify: bool = False) -> dict:
     for i in range(max(run["shards"], last.get("shards", 0))):
         st = states.get(i, {})
         damaged = i in ledger.damaged or i in files
-        shards[str(i)] = "damaged" if damaged else st.get("status", "pending")
+        shards[str(i)] = "damaged" if damaged else "kept-stale" if kept_stale(st) else st.get("status", "pending")
         if i in ledger.damaged:
             errors[str(i)] = f"its state file is damaged: {ledger.damaged[i]}"
         elif i in files:
@@ -52,8 +53,12 @@ def collect(out: str, verify: bool = False) -> dict:
         elif shards[str(i)] == "failed":
             errors[str(i)] = st.get("error", "")
     counts = {k: sum(v == k for v in shards.values()) for k in STATUSES}
+    counts["kept_stale"] = counts.pop("kept-stale")
+    counts["done"] += counts["kept_stale"]  # done, with the images of the prompts as they were
+    kept = [rid for i, v in shards.items() if v == "kept-stale" for rid in states[int(i)].get(KEPT_IDS, [])]
     return {
         **counts,
+        "kept_ids": kept,
         "store": store.url(),
         "shards": shards,
         "errors": errors,
@@ -84,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({k: info[k] for k in (*STATUSES, "shards")}))
+        print(json.dumps({k: info[k] for k in (*STATUSES[:-1], "kept_stale", "kept_ids", "shards")}))
         return 0
     total = len(info["shards"])
     damaged = f", {info['damaged']} damaged" if info["damaged"] else ""
+    if info["kept_stale"]:  # run.stale=keep: done, with the images of prompts that changed since
+        named = f" (samples {', '.join(info['kept_ids'][:5])})" if info["kept_ids"] else ""
+        damaged += f", {info['kept_stale']} kept-stale{named}"
     print(
         f"{info['store']}: {total} shards: {info['done']} done, {info['failed']} failed, "
         f"{info['pending']} pending{damaged}"

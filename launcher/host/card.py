@@ -18,6 +18,7 @@ import yaml
 
 from launcher.errors import ConfigError, error_line
 from launcher.host.card_facts import model_name, runs_section, settings_lines, source_name, weights_lines
+from launcher.ledger.stale import KEPT_IDS, kept_stale
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
 
@@ -70,6 +71,8 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
                 "data_bytes": st.get("data_bytes"),
                 "parquet_size": (st.get("files") or {}).get(f"{DATA_DIR}/{shard_name(index)}.parquet", [None])[0],
                 "run_id": st.get("run_id"),
+                "kept_stale": kept_stale(st),  # run.stale=keep: its images are of the prompts as they were
+                "kept_ids": st.get(KEPT_IDS, []) if kept_stale(st) else [],
             }
         )
     done = [s for s in shards if s["status"] == "done"]
@@ -273,7 +276,7 @@ their own `height`, `width` and `negative_prompt`. The data records what each sa
 ## Contents
 
 {incomplete}{len(summary["shards"])} shards of {meta["shard_size"]} prompts: {counts["done"]} done, \
-{counts["failed"]} failed, {counts["pending"]} pending; {summary["images"]} images.
+{counts["failed"]} failed, {counts["pending"]} pending; {summary["images"]} images.{kept_text(summary)}
 {runs_section(run)}
 ```python
 from datasets import load_dataset
@@ -330,3 +333,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def kept_text(summary: dict) -> str:
+    """The kept-stale shards (run.stale=keep), named, so that nobody takes their images for the source's prompts."""
+    kept = [s for s in summary["shards"] if s.get("kept_stale")]
+    if not kept:
+        return ""
+    ids = [i for s in kept for i in s["kept_ids"]]
+    named = f" (samples {', '.join(ids[:5])}{' and more' if len(ids) > 5 else ''})" if ids else ""
+    return (
+        f" {len(kept)} done shards are kept-stale{named}: their prompts changed in the source after they were "
+        "generated, and run.stale=keep kept the images of the prompts as they were."
+    )

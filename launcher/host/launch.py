@@ -150,6 +150,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.ledger import rejected, runs
     from launcher.ledger.lock import RunLock, other_live_runs
     from launcher.ledger.plan import make_plan, tidy
+    from launcher.ledger.plan_ids import commit_ids
     from launcher.ledger.stale import record_kept
     from launcher.ledger.states import Ledger, clean_tmp
     from launcher.workers import resolve_workers
@@ -172,6 +173,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             ledger = Ledger(store)
             plan = make_plan(cfg, ledger.refresh(), sizes, store)
         runs.check_run_json(store, cfg)
+        commit_ids(store, plan)  # with dataset.id_column: the shards' ids, fixed now (launcher/ledger/idmap.py)
         rerun = rerun_command(cfg, conf, overrides)
         full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
         full |= best_effort("the ledger's index", ledger.save_index)
@@ -181,7 +183,11 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             logger.warning("keeping shards %s as they are although their prompts changed (run.stale=keep)", plan.stale)
             # Recorded, so that the same command without run.stale=keep then finds them done.
             full |= best_effort(
-                "run.stale=keep", record_kept, store, {i: plan.shards[i].fingerprint for i in plan.stale}
+                "run.stale=keep",
+                record_kept,
+                store,
+                {i: plan.shards[i].fingerprint for i in plan.stale},
+                plan.ids.changed if plan.ids is not None else None,
             )
         code = EXIT_OK
         metrics = metrics_file(cfg, store, plan, run_id, start)  # output.metrics (launcher/host/metrics.py)

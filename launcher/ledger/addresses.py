@@ -7,6 +7,11 @@ them from each of those is a promise that every new line of output would have to
 in one place. So an address that carries user information is exit 2 before anything is printed or written,
 with a line that shows the address with the credentials masked and says where credentials belong: the
 environment (the `AWS_*` variables for S3, application default credentials for GCS, `HF_TOKEN` for the hub).
+
+A Hub address (`hf://`) is taken where something reads it or pushes to it: `dataset.path` (a prompt source,
+read-only: launcher/ledger/hub_source.py) and `output.publish`. Anywhere else it is refused here, in one line:
+pyarrow would open it through fsspec and an output folder on the Hub would half-work (no atomic renames, no
+conditional creates, a commit per file).
 """
 
 from __future__ import annotations
@@ -71,11 +76,24 @@ def check_environment() -> None:
             check_address(value, name)
 
 
+HUB_KEYS = ("dataset.path", "output.publish")  # the keys that take hf://
+
+
 def check_address(address: str, what: str = "") -> None:
-    """Refuse an address that carries credentials (exit 2); `what` names where it came from (a config key)."""
+    """Refuse an address that carries credentials (exit 2), or a Hub address where none is read; `what` names where
+    it came from (a config key; none for a run folder's address)."""
+    shown = f"{what}={masked(address)}" if what else masked(address)
     if has_credentials(address):
-        shown = f"{what}={masked(address)}" if what else masked(address)
         raise ConfigError(f"{shown} carries credentials in its address; remove them from it and {WHERE}")
+    if address.startswith("hf://") and what not in HUB_KEYS:
+        if what.startswith("model."):
+            fix = "give the Hub's id as ORG/NAME, without hf://"
+        else:  # output.dir, a tool's run folder
+            fix = (
+                "a run folder is a local path, gs:// or s3://; push its dataset to the Hub with "
+                "output.publish=hf://datasets/ORG/NAME or tools/publish"
+            )
+        raise ConfigError(f"{shown}: a Hub address is not read or written here; {fix}")
 
 
 def check_config(cfg, prefix: str = "") -> None:

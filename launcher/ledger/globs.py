@@ -5,7 +5,8 @@
 - `**` as a whole part matches zero or more folders, and only there: `dir/*/*.txt` does not reach `dir/a/b/x.txt`;
 - each file is listed once, under the first of its paths in sorted order: on local disk two paths with one
   (st_dev, st_ino) are one file (a symlink beside its target, a hard link, a folder bind-mounted inside itself:
-  each once made every prompt twice); on an object store, two objects with one size, time and ETag;
+  each once made every prompt twice); on an object store, two objects with one size, time and ETag; on the Hub
+  (no times there), two files with one size and content id (LFS sha256, else git blob id);
 - a folder link back to a folder it is inside is a loop that `**` would follow forever (a link to a parent under
   `dir/**/*.txt` once made 41 samples from 1 prompt): it is refused, naming the link.
 
@@ -81,7 +82,11 @@ def once_each(found: list[str], infos: dict[str, pafs.FileInfo], fs: pafs.FileSy
 
 
 def _etag(scheme: str, path: str) -> str | None:
-    """The object's ETag (one HEAD request); None where the store's client is not there."""
+    """The object's ETag (one HEAD request), a Hub file's content id; None where the store's client is not there."""
+    if scheme == "hf://":
+        from launcher.ledger.hub_source import content_id
+
+        return content_id(path)
     bucket, _, key = path.partition("/")
     if scheme == "s3://":
         import boto3  # AWS_ENDPOINT_URL and the AWS_* credentials, as pyarrow reads them

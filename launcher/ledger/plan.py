@@ -44,6 +44,7 @@ class Plan:
     rejected: list[dict] = field(default_factory=list)  # dataset.bad_rows=skip: rows set aside (rejected.py)
     late: tuple[tuple[int, str], ...] = ()  # of them, those found once every row was read (duplicate ids)
     held: list[int] = field(default_factory=list)  # failed run.max_attempts times: not retried (states.exhausted)
+    ids: object = None  # with dataset.id_column: what the id map's pass 1 found (launcher/ledger/idplan.py)
 
     @property
     def status(self) -> dict[int, str]:
@@ -152,8 +153,18 @@ def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store
             src = replace(src, late=again.late)
 
 
+def by_id(cfg) -> bool:
+    """Whether shards hold ids (dataset.id_column set; a text-to-image job) rather than row positions."""
+    return bool(cfg.dataset.id_column) and cfg.get("job", "text_to_image") == "text_to_image"
+
+
 def _make_plan(cfg, states: dict[int, dict], src: Source, sizes: SizeRule | None, store: Store | None) -> Plan:
     from launcher.ledger.sweep import check_sweep_columns
+
+    if by_id(cfg):
+        from launcher.ledger.plan_ids import make_id_plan
+
+        return make_id_plan(cfg, states, src, sizes, store)
     from launcher.ledger.verify import listed_damage, say_damage
 
     shards, stale_tables, set_aside = [], {}, []
@@ -220,7 +231,12 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
     from launcher.ledger.references import REF_FIELDS
 
     wanted = set(plan.selected)
-    meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in sorted(wanted)]}
+    order, tables = sorted(wanted), None
+    if plan.ids is not None:  # shards of ids: gathered from wherever their rows are (launcher/ledger/idpass2.py)
+        from launcher.ledger.plan_ids import id_tables
+
+        order, tables = id_tables(store, cfg, plan, sizes)
+    meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in order]}
     schema = SCHEMA if source(cfg).image_column is None else pa.schema([*SCHEMA, *REF_FIELDS])
     kept = plan_kept_fields(source(cfg))
     meta["kept"] = [f.name for f in kept]
@@ -228,7 +244,10 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
     last = max(wanted)
     src = replace(source(cfg, sizes), late=plan.late)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
-        for i, rows, _ in shard_tables(src, cfg.run.shard_size, cfg.dataset.limit):
+        for _, table in tables or ():
+            empty = pa.RecordBatch.from_pylist([], schema=schema)
+            writer.write_batch(table.select(schema.names).combine_chunks().to_batches()[0] if table else empty)
+        for i, rows, _ in () if tables is not None else shard_tables(src, cfg.run.shard_size, cfg.dataset.limit):
             if i in wanted:
                 table = rejected_mod.split(rows, i, cfg.run.shard_size)[0]
                 if prompts_fingerprint(table) != plan.shards[i].fingerprint:

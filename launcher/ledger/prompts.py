@@ -89,43 +89,14 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
     With dataset.bad_rows=skip, a row that fails a check stays in its place with a `rejected` column saying why
     (launcher/ledger/rejected.py): the plan sets it aside, and no later row moves to another shard."""
     from launcher.ledger import rejected
-    from launcher.ledger.prompts_fast import fast_batches
 
-    files, start, ids = source_files(src.path), 0, []
-    refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
-    schema = SCHEMA.append(rejected.FIELD) if skip else SCHEMA
-    if src.image_column:
-        from launcher.ledger.references import References
-
-        refs = References(src, files)
-    if src.keep_columns:  # after the references: a second attacher, row for row (launcher/ledger/keep.py)
-        from launcher.ledger.keep import Kept
-
-        refs = _Both(refs, Kept(src, files))
-
-    def out(b: pa.RecordBatch, at: int) -> pa.RecordBatch:
-        if skip:
-            b = rejected.marked(b, at, src.late)
-            ids.append(rejected.good_ids(b)) if src.id_column else None
-        elif src.id_column:
-            ids.append(b.column(0))
-        return _attached(refs, _settings_dropped(b, keep))
-
-    for f in files:
-        done = 0
-        try:
-            for b in fast_batches(f, src, start):
-                yield out(b, start + done)
-                done += b.num_rows
-        except _GiveUp:
-            try:
-                for b in _batches(_exact_rows(f, src, start), skip=done, schema=schema):
-                    yield out(b, start + done)
-                    done += b.num_rows
-            except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
-                raise ConfigError(unreadable(f, e)) from None
-        start += done
-    if start == 0:
+    files, ids, skip, n = source_files(src.path), [], src.bad_rows == "skip", 0
+    for _, _, b in file_batches(src, files):
+        n += b.num_rows
+        if src.id_column:
+            ids.append(rejected.good_ids(b) if skip else b.column(0))
+        yield b
+    if n == 0:
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if ids:
         all_ids = pa.chunked_array(ids, pa.string())
@@ -139,6 +110,43 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
             where, n = f"dataset {src.path}", src.images_per_prompt
             ok = (i.as_py() for c in ids for i in c if i.is_valid)
             check_sample_ids(ok, n, where, src.variants)
+
+
+def file_batches(src: Source, files: list[str], start: int = 0) -> Iterator[tuple[str, int, pa.RecordBatch]]:
+    """(file, the batch's first row number in the whole source, the batch): `files` read in order, their first row
+    at `start`. Checks every row as read_batches does, but not the ids across rows (the caller's, by id or row)."""
+    from launcher.ledger import rejected
+    from launcher.ledger.prompts_fast import fast_batches
+
+    refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
+    schema = SCHEMA.append(rejected.FIELD) if skip else SCHEMA
+    if src.image_column:
+        from launcher.ledger.references import References
+
+        refs = References(src, files)
+    if src.keep_columns:  # after the references: a second attacher, row for row (launcher/ledger/keep.py)
+        from launcher.ledger.keep import Kept
+
+        refs = _Both(refs, Kept(src, files))
+
+    def out(b: pa.RecordBatch, at: int) -> pa.RecordBatch:
+        b = rejected.marked(b, at, src.late) if skip else b
+        return _attached(refs, _settings_dropped(b, keep))
+
+    for f in files:
+        done = 0
+        try:
+            for b in fast_batches(f, src, start):
+                yield f, start + done, out(b, start + done)
+                done += b.num_rows
+        except _GiveUp:
+            try:
+                for b in _batches(_exact_rows(f, src, start), skip=done, schema=schema):
+                    yield f, start + done, out(b, start + done)
+                    done += b.num_rows
+            except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
+                raise ConfigError(unreadable(f, e)) from None
+        start += done
 
 
 def _attached(refs, b: pa.RecordBatch) -> pa.RecordBatch:
@@ -230,9 +238,13 @@ def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem of a local path or a gs:// / s3:// URL, and the path within it."""
+    """The filesystem of a local path, a gs:// / s3:// URL or a Hub dataset (hf://), and the path within it."""
     if "://" in path:
         check_address(path, "dataset.path")
+        if path.startswith("hf://"):  # read-only, through huggingface_hub (launcher/ledger/hub_source.py)
+            from launcher.ledger.hub_source import hub_filesystem
+
+            return hub_filesystem(path)
         magic = [path.index(c) for c in "*?[" if c in path]
         if not magic:
             return open_uri(path)
@@ -265,6 +277,10 @@ def unreadable(f: str, e: Exception) -> str:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     if "://" not in f:
         return f"dataset.path {f} cannot be read ({first}); check that it exists and that you may read it"
+    if f.startswith("hf://"):
+        from launcher.ledger import hub_source
+
+        return hub_source.unreadable(f, first)
     return (
         f"dataset.path {f} cannot be read ({first}); check the address, the network and the credentials "
         "(the AWS_* variables for s3://, gcloud application default credentials for gs://)"
@@ -273,7 +289,10 @@ def unreadable(f: str, e: Exception) -> str:
 
 def _source_files(path: str) -> list[str]:
     from launcher.ledger.globs import expand, has_magic
+    from launcher.ledger.hub_source import repo_files, whole_repo
 
+    if whole_repo(path):  # hf://datasets/ORG/NAME[@REV]: every data file of the repo, as `datasets` finds them
+        return repo_files(path)
     if run_folder(path) and not path.endswith(".parquet"):
         path = path.rstrip("/") + "/data/*.parquet"  # an earlier meshgen run: its Parquet shards, in shard order
     fs, p = filesystem(path)

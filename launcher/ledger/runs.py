@@ -197,7 +197,7 @@ def latest_record(store: Store) -> dict | None:
 
 def discard_outputs(store: Store) -> None:
     """run.overwrite: remove earlier results (not locks, claims and plans: they belong to live runs)."""
-    for name in (STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, RUNS_DIR, "rejected"):
+    for name in (STATE_DIR, DATA_DIR, IMAGES_DIR, WDS_DIR, RUNS_DIR, "rejected", "sources"):
         store.delete_dir(name)
     for name in ("run.json", "README.md", "report.html", "contact_sheet.png", INDEX, "runs.jsonl"):
         store.delete(name)

@@ -14,19 +14,27 @@ from launcher.ledger.store import Store
 
 SHOWN = 5  # sample ids named in the message
 KEPT = "kept_fingerprint"  # the state's record of run.stale=keep: the changed prompts it was kept for
+KEPT_IDS = "kept_ids"  # and, with an id column, which ids changed
 
 
 def is_kept(state: dict, fingerprint: str) -> bool:
     return state.get(KEPT) == fingerprint
 
 
-def record_kept(store: Store, shards: dict[int, str]) -> None:
-    """run.stale=keep, recorded in each kept shard's state (shard -> the new prompts' fingerprint), so that the same
-    command without it finds them done. The images stay what they were; `prompts_fingerprint` stays theirs."""
+def record_kept(store: Store, shards: dict[int, str], ids: dict[int, list[str]] | None = None) -> None:
+    """run.stale=keep, recorded in each kept shard's state (shard -> the new prompts' fingerprint; with an id column,
+    `kept_ids`: the ids whose rows changed), so that the same command without it finds them done, and status, report
+    and card show them as kept-stale. The images stay what they were; `prompts_fingerprint` stays theirs."""
     for i, fingerprint in shards.items():
         state = read_state(store, i)
         if state is not None and state.get("status") == "done":
-            store.write_json(state_rel(i), {**state, KEPT: fingerprint})
+            kept = {KEPT: fingerprint, **({KEPT_IDS: ids[i]} if ids and ids.get(i) else {})}
+            store.write_json(state_rel(i), {**state, **kept})
+
+
+def kept_stale(state: dict | None) -> bool:
+    """Whether a done shard was kept by run.stale=keep although its prompts had changed."""
+    return bool(state) and state.get("status") == "done" and KEPT in state
 
 
 def changed_ids(store: Store | None, index: int, table: pa.Table) -> tuple[list[str], bool, list[str]]:

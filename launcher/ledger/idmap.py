@@ -1,0 +1,175 @@
+"""The id map: which shard each id of the prompt source belongs to, and what the ledger needs to skip a file.
+
+With `dataset.id_column`, shards hold ids, not row positions. The output folder keeps, under `sources/`:
+- `index.json`: per source file, what it was when last read (size, mtime) and its map; the shard table; the runs
+  of id hashes; the ids that left the source. Written last: the other files of a generation are in place first.
+- `map-*.parquet`, one per source file: each mapped row's row number in the file, id, id hash, row hash, shard
+  and place in the shard, in file order. A file whose size and mtime are unchanged is not read again;
+- `shards-*.parquet`: per shard, its row count and the sum of its rows' hashes (its fingerprint,
+  launcher/ledger/rowhash.py), and the fingerprint that its done state had before the map existed (`legacy`);
+- `hashes-*.u64`: sorted runs of every mapped id's hash (launcher/ledger/idruns.py);
+- `left-*.parquet`: ids that left the source: their samples stay, and they keep their shard if they come back.
+The planner (launcher/ledger/idplan.py) builds the next generation in a local folder; the run commits it under
+its lock (`commit`), so a dry run or a refused run leaves the output folder as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from launcher.ledger.store import Store
+
+DIR = "sources"
+INDEX = f"{DIR}/index.json"
+VERSION = 1
+MAP_SCHEMA = pa.schema(
+    [
+        ("row", pa.int64()),
+        ("id", pa.string()),
+        ("h", pa.uint64()),
+        ("fp", pa.uint64()),
+        ("shard", pa.int32()),
+        ("pos", pa.int32()),
+    ]
+)
+SHARDS_SCHEMA = pa.schema([("rows", pa.int32()), ("total", pa.uint64()), ("legacy", pa.string())])
+
+
+@dataclass
+class Index:
+    """A committed generation of the id map (or an empty one), as the planner reads it."""
+
+    store: Store | None
+    data: dict = field(default_factory=dict)
+    local: Path | None = None  # where object-store files were fetched to, for memory-mapping
+
+    @property
+    def files(self) -> dict[str, dict]:
+        return self.data.get("files", {})
+
+    @property
+    def gen(self) -> int:
+        return self.data.get("gen", 0)
+
+    def read_map(self, f: str) -> pa.Table:
+        return pq.read_table(self._open(self.files[f]["map"]))
+
+    def read_shards(self) -> tuple[np.ndarray, np.ndarray, list]:
+        if not self.data.get("shards"):
+            return np.zeros(0, np.int32), np.zeros(0, np.uint64), []
+        t = pq.read_table(self._open(self.data["shards"]))
+        rows = t["rows"].to_numpy().astype(np.int32)
+        total = t["total"].to_numpy(zero_copy_only=False).astype(np.uint64)
+        return rows, total, t["legacy"].to_pylist()
+
+    def read_left(self) -> pa.Table | None:
+        return pq.read_table(self._open(self.data["left"])) if self.data.get("left") else None
+
+    def run_paths(self) -> list[Path]:
+        return [self._fetched(rel) for rel in self.data.get("runs", [])]
+
+    def _open(self, rel: str):
+        return self.store.fs.open_input_file(self.store.path(rel))
+
+    def _fetched(self, rel: str) -> Path:
+        if self.store.is_local:
+            return self.store.local(rel)
+        if self.local is None:
+            self.local = Path(tempfile.mkdtemp(prefix="meshgen-idmap-"))
+        out = self.local / rel.rsplit("/", 1)[-1]
+        if not out.exists():
+            with self._open(rel) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        return out
+
+
+def load(store: Store | None, shard_size: int) -> Index:
+    """The committed id map, or an empty one (none yet, none readable, or made with another shard size)."""
+    data = store.read_json(INDEX) if store is not None else None
+    if not isinstance(data, dict) or data.get("version") != VERSION or data.get("shard_size") != shard_size:
+        return Index(store)
+    return Index(store, data)
+
+
+@dataclass
+class Staged:
+    """The next generation, built in a local folder: the names it will have under `sources/`, and its index."""
+
+    folder: Path
+    data: dict
+    names: dict[str, Path] = field(default_factory=dict)  # rel under the store -> local file
+
+    def add(self, kind: str, suffix: str) -> tuple[str, Path]:
+        rel = f"{DIR}/{kind}-g{self.data['gen']}-{len(self.names)}{suffix}"
+        path = self.folder / rel.rsplit("/", 1)[-1]
+        self.names[rel] = path
+        return rel, path
+
+
+def stage(previous: Index) -> Staged:
+    import atexit
+
+    data = {k: v for k, v in previous.data.items()} or {"version": VERSION}
+    data["gen"] = previous.gen + 1
+    folder = Path(tempfile.mkdtemp(prefix="meshgen-ids-"))
+    atexit.register(shutil.rmtree, folder, True)  # a dry run, a refused run: nothing of it stays
+    return Staged(folder, data)
+
+
+def write_shards(staged: Staged, rows: np.ndarray, total: np.ndarray, legacy: list) -> None:
+    rel, path = staged.add("shards", ".parquet")
+    table = pa.table(
+        [pa.array(rows, pa.int32()), pa.array(total, pa.uint64()), pa.array(legacy, pa.string())],
+        schema=SHARDS_SCHEMA,
+    )
+    pq.write_table(table, path)
+    staged.data["shards"] = rel
+
+
+def commit(store: Store, staged: Staged | None) -> None:
+    """Put the staged generation in the output folder, the index last, then remove what no index names."""
+    if staged is None:
+        return
+    try:
+        for rel, path in staged.names.items():
+            with open(path, "rb") as src, store.open_output(rel) as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+        store.write_bytes(INDEX, json.dumps(staged.data, sort_keys=True).encode())
+        named = {INDEX, *staged.data.get("runs", []), staged.data.get("shards"), staged.data.get("left")}
+        named |= {f["map"] for f in staged.data.get("files", {}).values()}
+        for info in store.files(DIR):
+            if f"{DIR}/{info.base_name}" not in named:
+                store.delete(f"{DIR}/{info.base_name}")
+    finally:
+        discard(staged)
+
+
+def discard(staged: Staged | None) -> None:
+    if staged is not None:
+        shutil.rmtree(staged.folder, ignore_errors=True)
+
+
+def file_stat(f: str) -> dict:
+    """What says a source file is unchanged without reading it: its size and modification time."""
+    from launcher.ledger.prompts import filesystem
+
+    if f.startswith("hf://"):  # the Hub gives no modification time: the blob's id (LFS sha256) says the content
+        from launcher.ledger.hub_source import content_id
+
+        return {"size": None, "mtime": content_id(f.removeprefix("hf://"))}
+    fs, p = filesystem(f)
+    info = fs.get_file_info(p)
+    mtime = info.mtime_ns if info.mtime_ns is not None else None
+    if info.type == pafs.FileType.Directory:  # a save_to_disk folder: its files' sizes and times
+        infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
+        return {"size": sum(i.size or 0 for i in infos), "mtime": max((i.mtime_ns or 0) for i in infos)}
+    return {"size": info.size, "mtime": mtime}

@@ -1,0 +1,113 @@
+"""Pass 2 with an id column: the selected shards' rows, gathered by id from the files that hold them.
+
+A shard's rows are where its ids are now, in one file or several. The id map says which rows of which file belong
+to a selected shard; only the files whose map names one are read. Each shard is written to the plan file when its
+last row was read, so a batch is held only until its shard is whole; the order of those moments is known from the
+maps before the source is read, and is the order the plan file's metadata lists the shards in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from launcher.errors import ConfigError
+from launcher.ledger import idmap
+from launcher.ledger.rowhash import row_hashes
+
+
+def shard_order(index: idmap.Index, wanted: set[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """The selected shards in the order their last rows are read (shards with no row in the source first), and
+    where each one's last row is: (file number, row)."""
+    last: dict[int, tuple[int, int]] = {}
+    values = pa.array(sorted(wanted), pa.int32())
+    for k, (f, e) in enumerate(index.files.items()):
+        if not _holds(e, wanted):
+            continue
+        m = _map(index, f, ["row", "shard"], values)
+        if m.num_rows:
+            g = m.group_by("shard").aggregate([("row", "max")])
+            for s, r in zip(g["shard"].to_pylist(), g["row_max"].to_pylist(), strict=True):
+                last[s] = max(last.get(s, (k, r)), (k, r))
+    return sorted(wanted, key=lambda s: last.get(s, (-1, -1))), last
+
+
+def shard_rows(
+    src, index: idmap.Index, order: list[int], keys: dict, cut: dict[int, int]
+) -> Iterator[tuple[int, pa.Table | None]]:
+    """(shard, its rows in place order, `rejected` column dropped), in `order`; a shard in `cut` keeps that many."""
+    from launcher.ledger import rejected
+    from launcher.ledger.prompts import file_batches
+
+    wanted, parts, done = set(order), {s: [] for s in order}, 0
+    values = pa.array(sorted(wanted), pa.int32())
+    for s in order:
+        if s in keys:
+            break
+        done += 1
+        yield s, None  # all its ids left the source
+    for k, (f, e) in enumerate(index.files.items()):
+        if not _holds(e, wanted):
+            continue
+        m = _map(index, f, ["row", "id", "fp", "shard", "pos"], values).sort_by("row")
+        if not m.num_rows:
+            continue
+        rows = m["row"].to_numpy()
+        for _, at, b in file_batches(src, [f], e["start"]):
+            t, _ = rejected.split(pa.Table.from_batches([b]), 0, 0)
+            good = np.arange(b.num_rows) if t.num_rows == b.num_rows else np.flatnonzero(pc.is_null(b["rejected"]))
+            row = at - e["start"] + good
+            j = np.minimum(np.searchsorted(rows, row), len(rows) - 1)
+            hit = rows[j] == row
+            if hit.any():
+                sel, j = t.filter(pa.array(hit)), j[hit]
+                _check_same(f, sel, m, j)
+                sel = sel.append_column("__shard", m["shard"].take(pa.array(j)))
+                sel = sel.append_column("__pos", m["pos"].take(pa.array(j)))
+                for s in np.unique(sel["__shard"].to_numpy()):
+                    parts[int(s)].append(sel.filter(pc.equal(sel["__shard"], s)))
+            if len(row):
+                reached = (k, int(row[-1]))
+                for s, t_ in _ready(order[done:], done, lambda s, r=reached: keys.get(s, (-1, -1)) <= r, parts, cut):
+                    done += 1
+                    yield s, t_
+    for s in order[done:]:
+        yield s, _whole(parts.pop(s), cut.get(s))
+
+
+def _ready(order, done, is_ready, parts, cut):
+    for s in order:
+        if not is_ready(s):
+            return
+        yield s, _whole(parts.pop(s), cut.get(s))
+
+
+def _whole(parts: list[pa.Table], cut: int | None) -> pa.Table | None:
+    if not parts:
+        return None
+    t = pa.concat_tables(parts).sort_by("__pos").drop_columns(["__shard", "__pos"])
+    return t.slice(0, cut) if cut is not None else t
+
+
+def _holds(entry: dict, wanted: set[int]) -> bool:
+    return entry.get("hi", -1) >= min(wanted) and entry.get("lo", 2**31) <= max(wanted)
+
+
+def _map(index: idmap.Index, f: str, columns: list[str], values: pa.Array) -> pa.Table:
+    path = index.store.path(index.files[f]["map"])
+    m = pq.read_table(index.store.fs.open_input_file(path), columns=columns)
+    return m.filter(pc.is_in(m["shard"], value_set=values))
+
+
+def _check_same(f: str, sel: pa.Table, m: pa.Table, j: np.ndarray) -> None:
+    """The rows read now are those pass 1 mapped: the same ids, the same hashes."""
+    same = pc.equal(sel["id"], m["id"].take(pa.array(j)))
+    fp = row_hashes(sel.combine_chunks().to_batches()[0]) if sel.num_rows else np.zeros(0, np.uint64)
+    if not pc.all(same).as_py() or not np.array_equal(fp, m["fp"].to_numpy()[j]):
+        raise ConfigError(
+            f"the prompt source {f} changed while this run was planned; run the same command again once it is complete"
+        )
