@@ -80,3 +80,45 @@ def test_a_source_that_changes_every_night_keeps_every_id_once(tiny_model, tmp_p
     source_ids = [r["uid"] for r in rows] + [r["uid"] for r in more]
     assert sorted(got) == sorted({*source_ids, "p005"})  # every id present exactly once (read_rows keys are ids)
     assert sum(pq.read_table(f).num_rows for f in (out / "data").glob("*.parquet")) == len(got)
+
+
+def test_a_rows_hash_is_the_same_in_any_batch():
+    """The id map compares a row's hash from one night with the next: it must not depend on the other rows of its
+    batch (their widths, their nulls, a column that only they set)."""
+    from launcher.ledger.rowhash import row_hashes
+
+    long = "x" * 300  # past the bytes hashed word by word
+    rows = [
+        {"id": "a", "prompt": "short", "seed": None},
+        {"id": "b", "prompt": "a much longer prompt than the others " * 3, "seed": 7},
+        {"id": "c", "prompt": long, "seed": None},
+        {"id": "d", "prompt": "", "seed": None},
+    ]
+    schema = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("seed", pa.int64())])
+    whole = row_hashes(pa.RecordBatch.from_pylist(rows, schema=schema))
+    for k, r in enumerate(rows):
+        alone = row_hashes(pa.RecordBatch.from_pylist([r], schema=schema))
+        assert alone[0] == whole[k], r["id"]
+    assert len(set(whole.tolist())) == len(rows)
+    edited = row_hashes(pa.RecordBatch.from_pylist([{**rows[2], "prompt": long + "y"}], schema=schema))
+    assert edited[0] != whole[2]  # a change past the first 256 bytes is a change
+    seeded = row_hashes(pa.RecordBatch.from_pylist([{**rows[0], "seed": 0}], schema=schema))
+    assert seeded[0] != whole[0]  # a seed of 0 is not no seed
+
+
+def test_duplicate_hashes_are_found_across_buckets_with_the_run_sorted(tmp_path):
+    import numpy as np
+
+    from launcher.ledger.idruns import Spill, open_runs, seen
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2**63, 50_000, dtype=np.uint64) * np.uint64(2)  # 16 buckets by the top bits
+    twice = values[[3, 30_000, 49_999]]
+    spill = Spill(tmp_path / "spill")
+    for part in np.array_split(np.concatenate([values, twice]), 7):
+        spill.add(part)
+    doubles = spill.finish(tmp_path / "run.u64")
+    assert sorted(doubles.tolist()) == sorted(twice.tolist())
+    (run,) = open_runs([tmp_path / "run.u64"])
+    assert run.tolist() == sorted(set(values.tolist()))  # sorted, each hash once
+    assert seen([run], np.array([values[5], values[5] + np.uint64(1)], np.uint64)).tolist() == [True, False]

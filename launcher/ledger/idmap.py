@@ -41,6 +41,8 @@ MAP_SCHEMA = pa.schema(
         ("pos", pa.int32()),
     ]
 )
+# Ids are unique and hashes random: a dictionary never pays, and statistics go unread (a map is read whole).
+MAP_WRITE = {"use_dictionary": False, "write_statistics": False, "compression": "lz4"}
 SHARDS_SCHEMA = pa.schema([("rows", pa.int32()), ("total", pa.uint64()), ("legacy", pa.string())])
 
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from launcher.errors import ConfigError
 from launcher.ledger import idmap
-from launcher.ledger.rowhash import row_hashes
+from launcher.ledger.rowhash import id_hashes, row_hashes
 
 
 def shard_order(index: idmap.Index, wanted: set[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
@@ -106,7 +106,8 @@ def _map(index: idmap.Index, f: str, columns: list[str], values: pa.Array) -> pa
 def _check_same(f: str, sel: pa.Table, m: pa.Table, j: np.ndarray) -> None:
     """The rows read now are those pass 1 mapped: the same ids, the same hashes."""
     same = pc.equal(sel["id"], m["id"].take(pa.array(j)))
-    fp = row_hashes(sel.combine_chunks().to_batches()[0]) if sel.num_rows else np.zeros(0, np.uint64)
+    ids = sel["id"].combine_chunks()
+    fp = row_hashes(sel.combine_chunks().to_batches()[0], id_hashes(ids)) if sel.num_rows else np.zeros(0, np.uint64)
     if not pc.all(same).as_py() or not np.array_equal(fp, m["fp"].to_numpy()[j]):
         raise ConfigError(
             f"the prompt source {f} changed while this run was planned; run the same command again once it is complete"

@@ -64,7 +64,9 @@ class _New:
             at, self.pos = at + k, self.pos + k
             if self.pos == self.cap(self.shard):
                 self.shard, self.pos = self.shard + 1, 0
-        self.added.append((shards, fp))
+        starts = np.flatnonzero(np.r_[True, shards[1:] != shards[:-1]]) if n else np.zeros(0, np.int64)
+        with np.errstate(over="ignore"):  # the sums wrap mod 2**64 on purpose (rowhash.shard_fingerprint)
+            self.added.append((shards[starts], np.add.reduceat(fp.astype(np.uint64), starts) if n else fp))
         return shards, pos
 
 
@@ -100,7 +102,7 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
             own = _Own(index.read_map(f)) if f in old else None
             rel, path = staged.add("map", ".parquet")
             n_all, lo, hi = 0, 2**31, -1
-            with pq.ParquetWriter(path, idmap.MAP_SCHEMA) as writer:
+            with pq.ParquetWriter(path, idmap.MAP_SCHEMA, **idmap.MAP_WRITE) as writer:
                 for _, at, b in file_batches(src, [f], start):
                     n_all += b.num_rows
                     t, bad = rejected.split(pa.Table.from_batches([b]), 0, 0)
@@ -111,8 +113,9 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
                     if not t.num_rows:
                         continue
                     check(t)
-                    ids, h, fp = t.column("id").combine_chunks(), id_hashes(t.column("id").combine_chunks()), None
-                    fp = row_hashes(t.combine_chunks().to_batches()[0])
+                    ids = t.column("id").combine_chunks()
+                    h = id_hashes(ids)
+                    fp = row_hashes(t.combine_chunks().to_batches()[0], h)
                     row = (at - start) + good
                     shard, pos = np.full(len(h), -1, np.int32), np.zeros(len(h), np.int32)
                     known = own.find(ids, h) if own else np.full(len(h), -1)

@@ -169,7 +169,7 @@ def _patch(staged, f: str, rows: pa.Table) -> None:
     at = np.searchsorted(row, rows["row"].to_numpy())
     shard[at], pos[at] = rows["shard"].to_numpy(), rows["pos"].to_numpy()
     m = m.set_column(4, "shard", pa.array(shard)).set_column(5, "pos", pa.array(pos))
-    pq.write_table(m, path)
+    pq.write_table(m, path, **idmap.MAP_WRITE)
     entry = staged.data["files"][f]
     placed = shard[shard >= 0]
     entry["lo"], entry["hi"] = int(placed.min(initial=2**31)), int(placed.max(initial=-1))
