@@ -36,10 +36,12 @@ DESCRIPTIONS: dict[str, str] = {
     "mesh.chips_per_host": "Chips per host, for dp=auto and the process count (null: counted on this host).",
     # dataset
     "dataset.path": "The prompt source: .txt (one prompt a line), .jsonl, .csv, .parquet, a glob, a save_to_disk "
-    "folder; local, gs://, s3:// or hf://datasets/ORG/NAME[/glob].",
+    "folder; local, gs://, s3:// or hf://datasets/ORG/NAME[@REVISION][/glob] (a Hub dataset, read-only; the repo alone "
+    "means all its .txt/.jsonl/.csv/.parquet files).",
     "dataset.prompt_column": "The column that holds each row's prompt (not for .txt).",
-    "dataset.id_column": "The column that holds each row's id (null: the row number). With ids, shards hold ids, so "
-    "inserted, deleted or moved rows change no other shard.",
+    "dataset.id_column": "The column that holds each row's id (null: the row number). With ids, shards hold ids "
+    "fixed when first planned: new ids go to new shards, inserted, deleted or moved rows change no other shard, and "
+    "unchanged source files are not read again (the id map under sources/).",
     "dataset.limit": "Use only the first N rows (not part of the fingerprint).",
     "dataset.image_column": "job=edit: the column holding each row's reference image(s): an Image struct, a path, "
     "or a list of those.",
