@@ -123,3 +123,58 @@ def test_control_bench_runs_at_tiny_sizes(tiny_model, tmp_path, tools):
     pending = r["shard0_pending"]
     assert pending["big"]["exit"] == 0 and pending["big"]["peak_mb"]["worker"] > 0
     assert "| local | 40 | 3 |" in table(r)
+
+
+def test_nightly_source_has_the_promised_rows_ids_and_edits(tmp_path, tools):
+    import pyarrow.parquet as pq
+
+    from tools.bench.nightly import source_table, write_source
+
+    src = write_source(tmp_path / "src", 1000, 3)
+    files = sorted(src.glob("*.parquet"))
+    table = pq.read_table(files)
+    assert len(files) == 3 and table.num_rows == 1000 and table.column_names == ["uid", "prompt"]
+    uids = table.column("uid").to_pylist()
+    assert len(set(uids)) == 1000 and all(p.strip() for p in table.column("prompt").to_pylist())
+    assert write_source(tmp_path / "src", 1000, 3) == src and sorted(src.glob("*.parquet")) == files
+    stamp = [f.stat().st_mtime_ns for f in files]
+    write_source(tmp_path / "src", 1000, 3)  # the same sizes: kept, not written again
+    assert [f.stat().st_mtime_ns for f in files] == stamp
+    added = source_table(1000, 10, 3).column("uid").to_pylist()  # the grown scenario's new rows: new ids
+    assert len(set(added)) == 10 and not set(added) & set(uids)
+    # 1% of the prompts edited, spread over every file; the ids stay
+    edited_files = sorted(write_source(tmp_path / "edited", 1000, 3, edit=True).glob("*.parquet"))
+    per_file = []
+    for before, after in zip(files, edited_files, strict=True):
+        a, b = pq.read_table(before).to_pydict(), pq.read_table(after).to_pydict()
+        assert a["uid"] == b["uid"]
+        per_file.append(sum(x != y for x, y in zip(a["prompt"], b["prompt"], strict=True)))
+    assert sum(per_file) == 10 and all(per_file)
+
+
+def test_nightly_table_marks_a_missed_target(tools):
+    from tools.bench.nightly import plan_seconds, stale_shards, table
+
+    def run(wall, peak_gb, plan=5.0, **more):
+        return {"wall_s": wall, "plan_s": plan, "peak_gb": peak_gb, "exit": 0, "generated_shards": 0, **more}
+
+    result = {"args": {"ballast_mb": 1024}, "runs": {
+        "calibration": run(3, 1.0, peak_bytes=2**30 - 1),  # a 1024 MB worker whose peak does not show it
+        "first": run(200, 1.4, plan=119.9),  # first plan: 120 s, 1.5 GB
+        "again": run(30.5, 1.5),  # unchanged: 30 s, 1.5 GB
+        "grown": run(12, 1.51),  # +1,000 rows: 30 s, 1.5 GB
+    }}  # fmt: skip
+    lines = {line.split()[0]: line for line in table(result).splitlines()}
+    assert "NOT COUNTED" in lines["calibration"]
+    assert "plan <= 120: met" in lines["first"] and "peak <= 1.5: met" in lines["first"]
+    assert "wall <= 30: MISSED" in lines["again"] and "peak <= 1.5: met" in lines["again"]
+    assert "wall <= 30: met" in lines["grown"] and "peak <= 1.5: MISSED" in lines["grown"]
+
+    seen = [
+        (1.0, "[launcher] 00:00:01 DEBUG launcher.host.preflight: preflight: output"),
+        (2.5, "[launcher] 00:00:02 DEBUG launcher.host.preflight: preflight: prompts"),
+        (9.0, "[launcher] 00:00:09 DEBUG launcher.host.preflight: preflight: fetch"),
+        (9.5, "error: shards [0, 7] are done but their prompts changed since (samples u1, u2); rerun with ..."),
+    ]
+    assert plan_seconds(seen)["plan_s"] == 7.0 and plan_seconds(seen)["steps_s"]["prompts"] == 6.5
+    assert stale_shards(seen) == 2 and stale_shards(seen[:3]) is None

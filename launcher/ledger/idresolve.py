@@ -185,11 +185,10 @@ def _shards(out, staged, new, deltas, legacy_tables) -> None:
             np.add.at(total, shards.astype(np.int64), fp)
         for shards, fp, fp0, ids in deltas:
             np.add.at(total, shards.astype(np.int64), fp - fp0)
-            for s, rid in zip(shards.tolist(), ids.to_pylist(), strict=True):
-                found = out.changed.setdefault(s, [])
-                if rid not in found and len(found) < SHOWN:
-                    found.append(rid)
+            for s in np.unique(shards).tolist():  # their fingerprints changed: no older one stands for them
                 legacy[s] = None
+                out.changed.setdefault(s, [])
+            _name(out.changed, shards, ids)
     if legacy_tables is not None:
         for s, fp in legacy_tables.done().items():
             if s < n:
@@ -198,10 +197,26 @@ def _shards(out, staged, new, deltas, legacy_tables) -> None:
     idmap.write_shards(staged, rows, total, legacy)
 
 
+def _name(changed: dict[int, list[str]], shards: np.ndarray, ids: pa.Array) -> None:
+    """Up to SHOWN changed ids per shard, each once, for the refusal and kept_ids (no Python object per row: the
+    first SHOWN rows of each shard are found vectorised)."""
+    if not len(shards):
+        return
+    order = np.argsort(shards, kind="stable")
+    ranked = shards[order]
+    rank = np.arange(len(ranked)) - np.searchsorted(ranked, ranked)
+    keep = order[rank < SHOWN]
+    for s, rid in zip(shards[keep].tolist(), ids.take(pa.array(keep)).to_pylist(), strict=True):
+        found = changed[s]
+        if rid not in found and len(found) < SHOWN:
+            found.append(rid)
+
+
 def _left(out, staged, gone: pa.Table, left_before) -> None:
-    before = set(left_before["id"].to_pylist()) if left_before is not None else set()
-    fresh = [i for i in gone["id"].to_pylist() if i not in before] if gone.num_rows <= 10**6 else []
-    out.left, out.left_count = fresh[:SHOWN], len(fresh) if gone.num_rows <= 10**6 else gone.num_rows - len(before)
+    fresh = gone
+    if left_before is not None and left_before.num_rows:
+        fresh = gone.filter(pc.invert(pc.is_in(gone["id"], value_set=left_before["id"])))
+    out.left, out.left_count = fresh["id"].slice(0, SHOWN).to_pylist(), fresh.num_rows
     if gone.num_rows:
         rel, path = staged.add("left", ".parquet")
         pq.write_table(gone.select(_COLS), path)
