@@ -36,13 +36,14 @@ test: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
-# Mutation checks of launcher/ledger/ and the exit-code decision (pyproject's [tool.mutmut]): every surviving
-# mutant is a change of the product that the fast known-answer tests do not notice. Not part of `make test`.
-# `make mutants MUTANTS='launcher.ledger.shards*'` runs one module's mutants.
-MUTANTS ?=
+# Mutation checks of each room (ledger, host, worker, jobs; pyproject's [tool.mutmut] and tools/mutants.py): every
+# surviving mutant is a change of the product that the fast tests do not notice. Each mutant runs only the fast
+# tests that call its function (mutmut's stats run), two at a time. Not part of `make test`.
+# `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
+# room's killed / survived / no-test / timeout counts.
+ROOM ?= all
 mutants: venv
-	$(BIN)/mutmut run --max-children 2 $(MUTANTS)
-	$(BIN)/mutmut results
+	$(BIN)/python tools/mutants.py $(ROOM) --max-children 2
 
 lint: venv
 	$(BIN)/ruff check --fix .

@@ -64,6 +64,9 @@ def test_bench_runs_every_part_and_writes_json(tiny_model, tmp_path, tools, caps
     for path, value in _positive_numbers({"writer": rows, "runner": runner}):
         if "e2e" in path:  # a difference of two whole-run wall times: noise can make it negative at 4 images
             continue
+        if "between_shards" in path:  # a gap between times each rounded to 1 ms: it can be -1 ms when nothing waits,
+            assert value > (-0.05 if "share" in path else -0.003), path  # a few percent of a 4-image run's shard
+            continue
         # a share of waiting can be 0 (the writer kept up), and so can a setting (lossless WebP's level); every
         # time, size and rate is a measured positive
         assert value >= 0 if "share" in path or path.endswith(".level") else value > 0, path

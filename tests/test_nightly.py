@@ -7,6 +7,7 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from conftest import REPO, file_snapshot, launch, read_rows
 
 ROWS = [{"uid": f"p{i:03d}", "prompt": f"a photo of city number {i}"} for i in range(10)]
@@ -70,6 +71,10 @@ def test_a_source_that_changes_every_night_keeps_every_id_once(tiny_model, tmp_p
     before = file_snapshot(out)
     more = [{"uid": f"q{i}", "prompt": f"a drawing of a boat {i}"} for i in range(3)]
     pq.write_table(pa.Table.from_pylist(more), src / "b.parquet")
+    ids_before = {p: p.read_bytes() for p in (out / "sources").iterdir()}
+    res = launch("--dry-run", *job)  # plans the new file, and writes nothing: the id map too stays as it was
+    assert res.returncode == 0 and "1 of 5 shards to generate" in res.stdout, res.stdout + res.stderr[-2000:]
+    assert {p: p.read_bytes() for p in (out / "sources").iterdir()} == ids_before
     res = launch(*job)
     assert res.returncode == 0, res.stderr[-3000:]
     after = file_snapshot(out)
@@ -122,3 +127,217 @@ def test_duplicate_hashes_are_found_across_buckets_with_the_run_sorted(tmp_path)
     (run,) = open_runs([tmp_path / "run.u64"])
     assert run.tolist() == sorted(set(values.tolist()))  # sorted, each hash once
     assert seen([run], np.array([values[5], values[5] + np.uint64(1)], np.uint64)).tolist() == [True, False]
+
+
+class _Nights:
+    """Plans a source with ids as a run does (make_plan, then commit_ids into the output folder), and marks the
+    shards it selected done, as a run would; `plan` also returns pass 1's reads of the source: [offset, rows] per
+    call of the reader, offset in bytes (`reads` after a refusal); `rows` reads a shard's rows as pass 2 does."""
+
+    def __init__(self, tmp_path, monkeypatch, path, *overrides: str):
+        from launcher.config import load_config
+        from launcher.ledger import prompts
+        from launcher.ledger.store import Store
+
+        job = [f"dataset.path={path}", "dataset.id_column=uid", "run.shard_size=4", *overrides]
+        self.cfg, self.store, self.states, self.reads = load_config("tiny", job), Store(tmp_path / "out"), {}, []
+        real = prompts.file_batches
+
+        def spy(src, files, start=0, offset=0):
+            self.reads.append(read := [offset, 0])
+            for f, at, b in real(src, files, start, offset):
+                read[1] += b.num_rows
+                yield f, at, b
+
+        monkeypatch.setattr(prompts, "file_batches", spy)
+
+    def plan(self):
+        from launcher.ledger.plan import make_plan
+        from launcher.ledger.plan_ids import commit_ids
+
+        self.reads = []  # this plan's reads, kept when it refuses
+        plan, reads = make_plan(self.cfg, self.states, None, self.store), self.reads
+        self.reads = []
+        commit_ids(self.store, plan)
+        for s in plan.shards:
+            if s.index in plan.selected:
+                self.states[s.index] = {"status": "done", "prompts_fingerprint": s.fingerprint, "rows": s.rows}
+        return plan, reads
+
+    def rows(self, plan, shard: int) -> list[tuple[str, str]]:
+        from launcher.ledger.plan import PlanFile, write_plan_file
+
+        self.reads = []  # pass 2's reads
+        write_plan_file(self.store, "plans/t.arrow", self.cfg, plan)
+        return [(r["id"], r["prompt"]) for r in PlanFile(self.store, "plans/t.arrow").shard(shard).rows]
+
+
+def append(path, rows) -> None:
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+MORE = [{"uid": f"q{i}", "prompt": f"a drawing of a boat {i}"} for i in range(4)]
+
+
+def test_a_jsonl_that_grew_is_read_from_its_old_end(tmp_path, monkeypatch):
+    """DESIGN, `dataset.id_column`: a text file that only grew at its end is read from its old end; its new ids go
+    to a new shard, and no planned shard changes."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # p000-p009: shards 0, 1, 2 of 4, 4, 2
+    nights = _Nights(tmp_path, monkeypatch, src)
+    first, read = nights.plan()
+    assert read == [[0, 10]]
+    old_end = src.stat().st_size
+    append(src, MORE[:3])
+    second, read = nights.plan()
+    assert read == [[old_end, 3]]  # the three new lines, and nothing before them
+    assert [(s.index, s.rows, s.status) for s in second.shards] == [
+        (0, 4, "done"), (1, 4, "done"), (2, 2, "done"), (3, 3, "pending")]  # fmt: skip
+    assert [s.fingerprint for s in second.shards[:3]] == [s.fingerprint for s in first.shards]
+    assert second.selected == [3]
+    assert nights.rows(second, 3) == [(r["uid"], r["prompt"]) for r in MORE[:3]]
+    assert nights.reads == [[old_end, 3]]  # so does pass 2, which gathers the new shard's rows
+    # It grows again: read from where the last plan stopped, its row in a shard of its own (shard 3 is planned).
+    old_end = src.stat().st_size
+    append(src, MORE[3:])
+    third, read = nights.plan()
+    assert read == [[old_end, 1]]
+    assert [(s.rows, s.status) for s in third.shards[3:]] == [(3, "done"), (1, "pending")]
+    assert nights.rows(third, 4) == [("q3", MORE[3]["prompt"])]
+    assert nights.reads == [[old_end, 1]]
+
+
+def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
+    """An edit before the old end (in the last line or the first, the same length, so the old end is still a line
+    end) makes a file that grew a changed one: read whole, and the edit is caught. So is a file that shrank."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    rows = [{"uid": f"p{i:03d}", "prompt": f"a photo of city number {i}"} for i in range(200)]  # 10 kB: its head
+    write(src, rows)  # and its tail differ; shards 0-49
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    edited = {"uid": "p199", "prompt": rows[199]["prompt"].replace("city", "town")}
+    write(src, [*rows[:199], edited, *MORE[:3]])
+    with pytest.raises(ConfigError, match=r"shards \[49\] are done but their prompts changed since \(samples p199\)"):
+        nights.plan()
+    assert nights.reads == [[0, 203]]
+    write(src, rows[:198])  # shrank: p198 and p199 left the source
+    plan, read = nights.plan()
+    assert read == [[0, 198]] and plan.ids.left == ["p198", "p199"]
+    edited = {"uid": "p000", "prompt": rows[0]["prompt"].replace("city", "town")}  # far from the tail: the head
+    write(src, [edited, *rows[1:198], MORE[0]])
+    with pytest.raises(ConfigError, match=r"shards \[0\] are done but their prompts changed since \(samples p000\)"):
+        nights.plan()
+    assert nights.reads == [[0, 199]]
+
+
+@pytest.mark.parametrize("how", ["a byte-order mark", "no line end at its old end"])
+def test_a_grown_file_with_an_unusual_start_or_end_is_read_whole(tmp_path, monkeypatch, how):
+    src = tmp_path / "a.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    src.write_text("\ufeff" + text if how == "a byte-order mark" else text.rstrip("\n"))
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    with open(src, "a") as f:
+        f.write(("" if how == "a byte-order mark" else "\n") + json.dumps(MORE[0]) + "\n")
+    plan, read = nights.plan()
+    assert read == [[0, 11]]
+    assert nights.rows(plan, 3) == [("q0", MORE[0]["prompt"])]
+
+
+@pytest.mark.parametrize("blank", [b"\r\n", b"\r"], ids=["crlf", "a lone cr"])
+def test_a_bad_row_in_the_appended_part_is_named_by_its_line(tmp_path, monkeypatch, blank):
+    """The old part holds a blank line (a lone CR ends a line too) and CRLF line ends, so lines are not rows: the
+    bad row stands on line 14."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    lines = [json.dumps(r).encode() + b"\r\n" + (blank if k == 4 else b"") for k, r in enumerate(ROWS)]
+    src.write_bytes(b"".join(lines))  # lines 1-11: ten rows and a blank line
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    old_end = src.stat().st_size
+    append(src, [*MORE[:2], {"uid": "q2", "prompt": 5}])  # lines 12, 13, 14
+    with pytest.raises(ConfigError, match=rf"^dataset {src}, line 14: the prompt \('prompt'\) is of type int"):
+        nights.plan()
+    assert nights.reads and {offset for offset, _ in nights.reads} == {old_end}
+    # With dataset.bad_rows=skip the row is set aside, named by its line and placed after the old rows (12).
+    nights.cfg.dataset.bad_rows = "skip"
+    plan, read = nights.plan()
+    assert read == [[old_end, 3]]
+    assert [(r["line"], r["position"], r["id"]) for r in plan.rejected] == [(14, 12, "q2")]
+    assert nights.rows(plan, 3) == [(r["uid"], r["prompt"]) for r in MORE[:2]]
+
+
+def test_a_csv_that_grew_is_read_from_its_old_end_under_its_header(tmp_path, monkeypatch):
+    from launcher.errors import ConfigError
+    from launcher.ledger import prompts_exact
+
+    src = tmp_path / "a.csv"
+    src.write_text('uid,prompt\np0,"a cat, asleep"\np1,a dog\np2,a tree\np3,a sky\np4,a boat\n')  # lines 1-6
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    old_end = src.stat().st_size
+    with open(src, "a") as f:
+        f.write('p5,"a fox, running"\np6,a hen\np7,a cow\n')  # lines 7-9
+    with monkeypatch.context() as m:  # the fast reader reads them, under the file's header (no row-by-row reading)
+        m.setattr(prompts_exact, "exact_rows", None)
+        plan, read = nights.plan()
+    assert read == [[old_end, 3]]
+    assert nights.rows(plan, 2) == [("p5", "a fox, running"), ("p6", "a hen"), ("p7", "a cow")]
+    with open(src, "a") as f:
+        f.write("p8,a pig,3\n")  # line 10
+    with pytest.raises(ConfigError, match=rf"^dataset {src}, line 10: expected 2 fields \(uid, prompt\), got 3"):
+        nights.plan()
+
+
+def test_an_appended_id_that_the_old_part_holds_is_a_duplicate(tmp_path, monkeypatch):
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    old_end = src.stat().st_size
+    append(src, [{"uid": "p001", "prompt": "a photo of city number 1, again"}])  # line 11
+    with pytest.raises(ConfigError, match=rf"^dataset {src}, line 11: duplicate id 'p001' \(first at {src}, line 2\)"):
+        nights.plan()
+    assert nights.reads == [[old_end, 1]]
+
+
+def test_a_grown_source_with_kept_columns_is_read_whole(tmp_path, monkeypatch):
+    """Kept columns are read from the top of each file, row for row beside its rows: such a file is read whole."""
+    src = tmp_path / "a.jsonl"
+    write(src, [{**r, "city": f"c{k}"} for k, r in enumerate(ROWS)])
+    nights = _Nights(tmp_path, monkeypatch, src, "dataset.keep_columns=[city]")
+    nights.plan()
+    append(src, [{**MORE[0], "city": "Osaka"}])
+    plan, read = nights.plan()
+    assert read == [[0, 11]]
+    nights.rows(plan, 3)
+    from launcher.ledger.plan import PlanFile
+
+    assert [r["city"] for r in PlanFile(nights.store, "plans/t.arrow").shard(3).rows] == ["Osaka"]
+
+
+def test_a_file_written_to_while_it_is_read_is_read_whole_next_time(tmp_path, monkeypatch):
+    """Its old end is not known (the plan may have read past the size it found), so it is not read from there."""
+    from launcher.ledger import prompts
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    reader = prompts.file_batches
+
+    def written_meanwhile(*args):  # the source's writer appends a line once the plan found the file's size
+        append(src, MORE[:1])
+        monkeypatch.setattr(prompts, "file_batches", reader)
+        return reader(*args)
+
+    monkeypatch.setattr(prompts, "file_batches", written_meanwhile)
+    first, read = nights.plan()
+    assert read == [[0, 11]]
+    second, read = nights.plan()
+    assert read == [[0, 11]] and second.selected == []

@@ -319,6 +319,19 @@ def _loras_lines(model: dict, settings: dict) -> str:
     return "".join(lines)
 
 
+def kept_text(summary: dict) -> str:
+    """The kept-stale shards (run.stale=keep), named, so that nobody takes their images for the source's prompts."""
+    kept = [s for s in summary["shards"] if s.get("kept_stale")]
+    if not kept:
+        return ""
+    ids = [i for s in kept for i in s["kept_ids"]]
+    named = f" (samples {', '.join(ids[:5])}{' and more' if len(ids) > 5 else ''})" if ids else ""
+    return (
+        f" {len(kept)} done shards are kept-stale{named}: their prompts changed in the source after they were "
+        "generated, and run.stale=keep kept the images of the prompts as they were."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write OUTPUT_DIR/README.md, the dataset card of a run folder.")
     parser.add_argument("output_dir")
@@ -333,16 +346,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def kept_text(summary: dict) -> str:
-    """The kept-stale shards (run.stale=keep), named, so that nobody takes their images for the source's prompts."""
-    kept = [s for s in summary["shards"] if s.get("kept_stale")]
-    if not kept:
-        return ""
-    ids = [i for s in kept for i in s["kept_ids"]]
-    named = f" (samples {', '.join(ids[:5])}{' and more' if len(ids) > 5 else ''})" if ids else ""
-    return (
-        f" {len(kept)} done shards are kept-stale{named}: their prompts changed in the source after they were "
-        "generated, and run.stale=keep kept the images of the prompts as they were."
-    )

@@ -4,7 +4,8 @@ With `dataset.id_column`, shards hold ids, not row positions. The output folder 
 - `index.json`: per source file, what it was when last read (size, mtime) and its map; the shard table; the runs
   of id hashes; the ids that left the source. Written last: the other files of a generation are in place first.
 - `map-*.parquet`, one per source file: each mapped row's row number in the file, id, id hash, row hash, shard
-  and place in the shard, in file order. A file whose size and mtime are unchanged is not read again;
+  and place in the shard, in file order. A file whose size and mtime are unchanged is not read again; a text
+  file that only grew at its end (`grown`) is read from its old end, its old map copied and extended;
 - `shards-*.parquet`: per shard, its row count and the sum of its rows' hashes (its fingerprint,
   launcher/ledger/rowhash.py), and the fingerprint that its done state had before the map existed (`legacy`);
 - `hashes-*.u64`: sorted runs of every mapped id's hash (launcher/ledger/idruns.py);
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,9 @@ class Index:
 
     def read_map(self, f: str) -> pa.Table:
         return pq.read_table(self._open(self.files[f]["map"]))
+
+    def map_batches(self, f: str) -> Iterator[pa.RecordBatch]:
+        return pq.ParquetFile(self._open(self.files[f]["map"])).iter_batches()
 
     def read_shards(self) -> tuple[np.ndarray, np.ndarray, list]:
         if not self.data.get("shards"):
@@ -175,3 +180,47 @@ def file_stat(f: str) -> dict:
         infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
         return {"size": sum(i.size or 0 for i in infos), "mtime": max((i.mtime_ns or 0) for i in infos)}
     return {"size": info.size, "mtime": mtime}
+
+
+EDGE = 4096  # bytes of a text file's head and of its tail before its old end, whose digests say it only grew
+GROWING = (".jsonl", ".txt", ".csv")  # formats that grow by appending lines; Parquet files and folders are units
+
+
+def edges(f: str, stat: dict) -> dict:
+    """For a text file read to its end as `stat` found it: digests of its first EDGE bytes and of its last EDGE,
+    for `grown` to recognise the same bytes later. Nothing for other files, a size unknown (the Hub), or a file
+    written to while it was read (where its rows end is not known: it is read whole next time)."""
+    size = stat.get("size")
+    if not size or not f.lower().endswith(GROWING) or file_stat(f) != stat:
+        return {}
+    head, tail = _edge_bytes(f, size)
+    return {"head": _digest(head), "tail": _digest(tail)}
+
+
+def grown(entry: dict | None, stat: dict, f: str) -> bool:
+    """Whether a text file only grew at its end since `entry` was recorded: larger now, its old end a line end
+    (\\n), no byte-order mark, and its head and old tail what they were. Anything else is read whole."""
+    old = (entry or {}).get("size")
+    if not entry or "tail" not in entry or not isinstance(old, int) or not 0 < old < (stat.get("size") or 0):
+        return False
+    head, tail = _edge_bytes(f, old)
+    return (
+        not head.startswith(b"\xef\xbb\xbf")
+        and tail.endswith(b"\n")
+        and _digest(head) == entry["head"]
+        and _digest(tail) == entry["tail"]
+    )
+
+
+def _edge_bytes(f: str, size: int) -> tuple[bytes, bytes]:
+    from launcher.ledger.prompts import filesystem
+
+    fs, p = filesystem(f)
+    with fs.open_input_file(p) as fh:
+        return fh.read_at(min(EDGE, size), 0), fh.read_at(min(EDGE, size), max(0, size - EDGE))
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

@@ -57,7 +57,8 @@ def shard_rows(
         if not m.num_rows:
             continue
         rows = m["row"].to_numpy()
-        for _, at, b in file_batches(src, [f], e["start"]):
+        offset, first = _resume(src, e, int(rows[0]))
+        for _, at, b in file_batches(src, [f], e["start"] + first, offset):
             t, _ = rejected.split(pa.Table.from_batches([b]), 0, 0)
             good = np.arange(b.num_rows) if t.num_rows == b.num_rows else np.flatnonzero(pc.is_null(b["rejected"]))
             row = at - e["start"] + good
@@ -91,6 +92,13 @@ def _whole(parts: list[pa.Table], cut: int | None) -> pa.Table | None:
         return None
     t = pa.concat_tables(parts).sort_by("__pos").drop_columns(["__shard", "__pos"])
     return t.slice(0, cut) if cut is not None else t
+
+
+def _resume(src, entry: dict, row: int) -> tuple[int, int]:
+    """(byte, row) to read a file from for its rows from `row` on: the last old end of a text file that grew
+    before it (launcher/ledger/idplan.py), or its top (always, with references or kept columns)."""
+    parts = [(o, r) for o, r in entry.get("parts", []) if r <= row and not (src.image_column or src.keep_columns)]
+    return max(parts, key=lambda p: p[1], default=(0, 0))
 
 
 def _holds(entry: dict, wanted: set[int]) -> bool:

@@ -1,12 +1,14 @@
 """Pass 1 with an id column: every shard's rows and fingerprint from the id map, reading only what changed.
 
-An unchanged file (same size and mtime as the map recorded) is not read. A new or changed file is read in
-batches: each id found in the file's old map keeps its shard and place (a changed row hash updates its shard's
-fingerprint and names the id); an id whose hash no run holds is new and goes to the next new shard, in source
-order; an id a run does hold was seen before, and is resolved once every changed file was read (moved from another
-changed file: it keeps its shard; in an unchanged file: a duplicate; neither: a hash collision, so new). Ids of a
-changed or removed file that are nowhere now have left the source: reported, their samples stay, and they keep
-their shard if they come back. Memory: one file's old map (sorted hashes) and one batch, never the source.
+An unchanged file (same size and mtime as the map recorded) is not read. A text file that only grew at its end
+(idmap.grown: its head and old tail as they were) keeps its old map and is read from its old end, its new rows
+read as a new file's are. Another new or changed file is read in batches: each id found in the file's old map keeps
+its shard and place (a changed row hash updates its shard's fingerprint and names the id); an id whose hash no run
+holds is new and goes to the next new shard, in source order; an id a run does hold was seen before, and is resolved
+once every changed file was read (moved from another changed file: it keeps its shard; in an unchanged file: a
+duplicate; neither: a hash collision, so new). Ids of a changed or removed file that are nowhere now have left the
+source: reported, their samples stay, and they keep their shard if they come back. Memory: one file's old map
+(sorted hashes) and one batch, never the source.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
     stats = {f: idmap.file_stat(f) for f in files}
     old = index.files
     changed = [f for f in files if not _same(old.get(f), stats[f])]
+    # References and kept columns are read from the top, row for row beside the rows: such a source is read whole.
+    whole = bool(src.image_column or src.keep_columns)
+    grown = {f for f in changed if not whole and idmap.grown(old.get(f), stats[f], f)}
     removed = [f for f in old if f not in stats]
     out = IdShards(rows, total, legacy, index=index, late=src.late, skip=src.bad_rows == "skip", src=src)
     if not changed and not removed and [f for f in old] == files:
@@ -99,11 +104,16 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
                 staged.data["files"][f] = {**old[f], "start": start}
                 start += old[f]["rows_all"]
                 continue
-            own = _Own(index.read_map(f)) if f in old else None
+            own = _Own(index.read_map(f)) if f in old and f not in grown else None
             rel, path = staged.add("map", ".parquet")
-            n_all, lo, hi = 0, 2**31, -1
+            n_all, lo, hi, offset = 0, 2**31, -1, 0
             with pq.ParquetWriter(path, idmap.MAP_SCHEMA, **idmap.MAP_WRITE) as writer:
-                for _, at, b in file_batches(src, [f], start):
+                if f in grown:  # its old rows are as they were: their map is copied, their ids count as read
+                    for m in index.map_batches(f):
+                        writer.write_batch(m)
+                        spill.add(m.column("h").to_numpy())
+                    n_all, lo, hi, offset = old[f]["rows_all"], old[f]["lo"], old[f]["hi"], old[f]["size"]
+                for _, at, b in file_batches(src, [f], start + n_all, offset):
                     n_all += b.num_rows
                     t, bad = rejected.split(pa.Table.from_batches([b]), 0, 0)
                     for r in bad:
@@ -151,6 +161,9 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
                 "map": rel,
                 "lo": lo,
                 "hi": hi,
+                **idmap.edges(f, stats[f]),  # to know next time that it only grew
+                # its old ends (byte, row), where pass 2 may start reading (launcher/ledger/idpass2.py)
+                **({"parts": [*old[f].get("parts", []), [offset, old[f]["rows_all"]]]} if f in grown else {}),
             }
             start += n_all
         for f in removed:

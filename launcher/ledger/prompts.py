@@ -112,10 +112,15 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
             check_sample_ids(ok, n, where, src.variants)
 
 
-def file_batches(src: Source, files: list[str], start: int = 0) -> Iterator[tuple[str, int, pa.RecordBatch]]:
+def file_batches(
+    src: Source, files: list[str], start: int = 0, offset: int = 0
+) -> Iterator[tuple[str, int, pa.RecordBatch]]:
     """(file, the batch's first row number in the whole source, the batch): `files` read in order, their first row
-    at `start`. Checks every row as read_batches does, but not the ids across rows (the caller's, by id or row)."""
+    at `start`. Checks every row as read_batches does, but not the ids across rows (the caller's, by id or row).
+    `offset`: bytes of a single text file to pass over, its old end where it only grew (launcher/ledger/idplan.py);
+    not with references or kept columns, whose readers start at the top."""
     from launcher.ledger import rejected
+    from launcher.ledger.prompts_exact import exact_rows
     from launcher.ledger.prompts_fast import fast_batches
 
     refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
@@ -136,12 +141,12 @@ def file_batches(src: Source, files: list[str], start: int = 0) -> Iterator[tupl
     for f in files:
         done = 0
         try:
-            for b in fast_batches(f, src, start):
+            for b in fast_batches(f, src, start, offset):
                 yield f, start + done, out(b, start + done)
                 done += b.num_rows
         except _GiveUp:
             try:
-                for b in _batches(_exact_rows(f, src, start), skip=done, schema=schema):
+                for b in _batches(exact_rows(f, src, start, offset), skip=done, schema=schema):
                     yield f, start + done, out(b, start + done)
                     done += b.num_rows
             except OSError as e:  # the store stopped answering mid-file: one line, not a traceback

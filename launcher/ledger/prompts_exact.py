@@ -7,15 +7,17 @@ from collections.abc import Iterator
 
 from launcher.errors import ConfigError
 from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
-from launcher.ledger.prompts import _INT_COLUMNS, OVERRIDE_COLUMNS, Source, _raw_rows
+from launcher.ledger.prompts import _INT_COLUMNS, OVERRIDE_COLUMNS, Source
+from launcher.ledger.prompts_raw import raw_rows
 
 
-def exact_rows(f: str, src: Source, start: int) -> Iterator[dict]:
-    """Each row, checked. A row that fails a check raises (dataset.bad_rows=refuse) or, with skip, stands as a
-    rejected row in its place (launcher/ledger/rejected.py), so that the rows after it keep their positions."""
+def exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dict]:
+    """Each row from byte `offset` (0, or a grown text file's old end), the first one row `start`, checked. A row
+    that fails a check raises (dataset.bad_rows=refuse) or, with skip, stands as a rejected row in its place
+    (launcher/ledger/rejected.py), so that the rows after it keep their positions."""
     from launcher.ledger.rejected import rejected_row
 
-    for n, (where, r) in enumerate(_raw_rows(f, src.prompt_column, src.id_column), start):
+    for n, (where, r) in enumerate(raw_rows(f, src.prompt_column, src.id_column, offset), start):
         try:
             yield _exact_row(where, r, n, src)
         except ConfigError as e:

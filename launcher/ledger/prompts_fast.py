@@ -27,15 +27,17 @@ from launcher.ledger.prompts import (
     _suffix,
     filesystem,
 )
+from launcher.ledger.prompts_raw import csv_header, open_from
 from launcher.ledger.row_checks import CONTROL, ID_BYTES, LINE_BYTES
 
 _TYPES = {f.name: f.type for f in SCHEMA}
 _BLOCK = 1 << 22  # bytes per parsed block: large enough to amortise, small enough to stream
 
 
-def fast_batches(f: str, src: Source, start: int) -> Iterator[pa.RecordBatch]:
+def fast_batches(f: str, src: Source, start: int, offset: int = 0) -> Iterator[pa.RecordBatch]:
+    """`f`'s rows from byte `offset` (0, or a grown text file's old end), the first one row `start`."""
     try:
-        for raw in _raw_batches(f, src):
+        for raw in _raw_batches(f, src, offset):
             if raw.num_rows:
                 yield normalize(raw, src, start)
                 start += raw.num_rows
@@ -43,7 +45,7 @@ def fast_batches(f: str, src: Source, start: int) -> Iterator[pa.RecordBatch]:
         raise _GiveUp(str(e)) from None
 
 
-def _raw_batches(f: str, src: Source) -> Iterator[pa.RecordBatch]:
+def _raw_batches(f: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory":
         from launcher.ledger.prompts_raw import saved_dataset_files
@@ -60,18 +62,19 @@ def _raw_batches(f: str, src: Source) -> Iterator[pa.RecordBatch]:
         names = pf.schema_arrow.names
         wanted = [c for c in dict.fromkeys((src.prompt_column, src.id_column, *OVERRIDE_COLUMNS)) if c in names]
         yield from pf.iter_batches(columns=wanted, batch_size=BATCH_ROWS)
-    elif suffix == ".txt":
-        yield from _txt(fs.open_input_stream(p), src.prompt_column)
+    elif suffix == ".txt":  # from an offset, a U+FEFF is no byte-order mark but text, as in the whole file
+        yield from _txt(open_from(fs, p, offset), src.prompt_column, "utf-8" if offset else "utf-8-sig")
     elif suffix == ".jsonl":
-        yield from _jsonl(fs, p, src)
+        yield from _jsonl(fs, p, src, offset)
     else:
-        yield from _csv(fs.open_input_stream(p), src)
+        header = csv_header(f) if offset else None
+        yield from _csv(open_from(fs, p, offset), src, header)
 
 
-def _txt(raw, col: str) -> Iterator[pa.RecordBatch]:
+def _txt(raw, col: str, encoding: str) -> Iterator[pa.RecordBatch]:
     with raw:
         chunk = []
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline=None)
+        text = io.TextIOWrapper(raw, encoding=encoding, newline=None)
         # At most LINE_BYTES characters a read (no more bytes than 4x that): a longer line is never held whole.
         for ln in iter(lambda: text.readline(LINE_BYTES + 1), ""):
             if len(ln) > LINE_BYTES:
@@ -97,7 +100,7 @@ def _strings(values: list[str]) -> pa.Array:
     return pa.StringArray.from_buffers(len(data), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data)))
 
 
-def _jsonl(fs, p: str, src: Source) -> Iterator[pa.RecordBatch]:
+def _jsonl(fs, p: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
     import pyarrow.json as pj
 
     fields = {src.prompt_column: pa.string(), **{k: _TYPES[k] for k in OVERRIDE_COLUMNS}}
@@ -111,9 +114,9 @@ def _jsonl(fs, p: str, src: Source) -> Iterator[pa.RecordBatch]:
         value = json.loads(first).get(src.id_column) if first.strip().startswith("{") else None
         fields[src.id_column] = pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
     options = pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore")
-    with fs.open_input_stream(p) as s:
+    with open_from(fs, p, offset) as s:
         head = s.read(3)  # pyarrow's JSON reader does not skip a byte-order mark: drop it, or put back what it was
-        stream = s if head == b"\xef\xbb\xbf" else _Prefixed(head, s)
+        stream = s if head == b"\xef\xbb\xbf" and not offset else _Prefixed(head, s)
         yield from pj.open_json(stream, read_options=pj.ReadOptions(block_size=_BLOCK), parse_options=options)
 
 
@@ -137,7 +140,8 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
-def _csv(raw, src: Source) -> Iterator[pa.RecordBatch]:
+def _csv(raw, src: Source, header: list[str] | None) -> Iterator[pa.RecordBatch]:
+    """`header`: the file's, for its rows read from an offset (which have none); None where it has its own."""
     import pyarrow.csv as pcsv
 
     types = {src.prompt_column: pa.string(), **{k: _TYPES[k] for k in OVERRIDE_COLUMNS}}
@@ -146,9 +150,8 @@ def _csv(raw, src: Source) -> Iterator[pa.RecordBatch]:
     convert = pcsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=False)
     parse = pcsv.ParseOptions(newlines_in_values=True)
     with raw:
-        reader = pcsv.open_csv(
-            raw, read_options=pcsv.ReadOptions(block_size=_BLOCK), parse_options=parse, convert_options=convert
-        )
+        read = pcsv.ReadOptions(block_size=_BLOCK, column_names=header)
+        reader = pcsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert)
         if src.prompt_column not in reader.schema.names:
             raise _GiveUp("no prompt column")
         for b in reader:

@@ -1,11 +1,14 @@
 """The exact reader's first step: each row of a prompt file as the file holds it, with where it came from.
 
-One generator per format, row by row, so that a bad line is named exactly and nothing holds the whole file.
+One generator per format, row by row, so that a bad line is named exactly and nothing holds the whole file. A text
+file that only grew is read from `offset`, its old end (a line end; launcher/ledger/idplan.py): its lines are
+numbered on from those before it, and a CSV's rows take the file's header.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -16,7 +19,8 @@ from launcher.ledger.prompts import OVERRIDE_COLUMNS, _suffix, filesystem
 from launcher.ledger.row_checks import LINE_BYTES, Bad, line_problem
 
 
-def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
+def raw_rows(f: str, col: str, id_col: str | None, offset: int = 0) -> Iterator[tuple[str, dict]]:
+    """(where, row) of `f` from byte `offset` (0, or the old end of a text file that only grew)."""
     fs, p = filesystem(f)
     if fs.get_file_info(p).type == pafs.FileType.Directory:  # source_files let only save_to_disk folders through
         yield from _saved_dataset(f, col, id_col)
@@ -25,7 +29,7 @@ def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]
     if suffix == ".parquet":
         yield from _parquet(f, col, id_col)
         return
-    lines = _lines(f)
+    lines = _lines(f, offset)
     if suffix == ".txt":
         for n, ln in lines:
             if isinstance(ln, Bad):
@@ -49,17 +53,26 @@ def raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]
                 obj = Bad(f"expected a JSON object {{...}}, got {got}; fix that line")
             yield f"dataset {f}, line {n}", obj
     else:
-        yield from _csv(f, col)
+        yield from _csv(f, col, offset)
 
 
-def _lines(f: str) -> Iterator[tuple[int, str | Bad]]:
+def open_from(fs, p: str, offset: int):
+    """The file as a stream from byte `offset`."""
+    if not offset:
+        return fs.open_input_stream(p)
+    fh = fs.open_input_file(p)
+    fh.seek(offset)
+    return fh
+
+
+def _lines(f: str, offset: int = 0) -> Iterator[tuple[int, str | Bad]]:
     """Numbered lines without their ends: universal newlines (\\n, \\r\\n, \\r) but not str.splitlines(), which
     also splits at U+2028 and friends, which may stand unescaped inside a JSON string or a quoted CSV field.
     Decoded line by line, so a byte that is not UTF-8 is named by its own line (a Bad in its place), as is a line
-    longer than LINE_BYTES, which is never held whole."""
+    longer than LINE_BYTES, which is never held whole. From `offset` (a line end), numbered on from the lines before."""
     fs, p = filesystem(f)
-    n = 0
-    for part in _byte_lines(fs, p):
+    n = _lines_before(fs, p, offset) if offset else 0
+    for part in _byte_lines(fs, p, offset):
         if part is None:
             n += 1
             yield n, Bad(line_problem(n))
@@ -77,12 +90,37 @@ def _lines(f: str) -> Iterator[tuple[int, str | Bad]]:
             yield n, line
 
 
-def _byte_lines(fs, p: str) -> Iterator[bytes | None]:
-    """The file's lines as bytes; None for a line over LINE_BYTES, whose bytes are dropped as they are read."""
+def _lines_before(fs, p: str, offset: int) -> int:
+    """How many lines _lines numbers before byte `offset`, a line end: one per \\n, counted in blocks, unless a
+    lone \\r (which _lines also splits at, except in a line it cannot decode) asks to count them as _lines does."""
+    n, lone_cr = 0, False
     with fs.open_input_stream(p) as raw:
+        left = offset
+        while left > 0 and (chunk := raw.read(min(1 << 22, left))):
+            left -= len(chunk)
+            n += chunk.count(b"\n")
+            lone_cr = lone_cr or b"\r" in chunk.replace(b"\r\n", b"")
+    if not lone_cr:
+        return n
+    return sum(1 if part is None else _line_count(part) for part in _byte_lines(fs, p, 0, offset))
+
+
+def _line_count(part: bytes) -> int:
+    try:
+        return part.decode("utf-8").removesuffix("\r").count("\r") + 1
+    except UnicodeDecodeError:
+        return 1
+
+
+def _byte_lines(fs, p: str, offset: int = 0, end: int | None = None) -> Iterator[bytes | None]:
+    """The file's lines as bytes, from `offset` to `end`; None for a line over LINE_BYTES, whose bytes are dropped
+    as they are read."""
+    with open_from(fs, p, offset) as raw:
         head: list[bytes] = []  # a line's pieces so far: joined once, so a long line costs no quadratic copying
         held = 0  # bytes in head; -1 once the line is over the bound (its further pieces are dropped)
-        while chunk := raw.read(1 << 20):
+        left = end - offset if end is not None else -1
+        while left and (chunk := raw.read(1 << 20 if left < 0 else min(1 << 20, left))):
+            left = left - len(chunk) if left > 0 else left
             parts = chunk.split(b"\n")
             for k, piece in enumerate(parts):
                 if held >= 0:
@@ -99,17 +137,17 @@ def _byte_lines(fs, p: str) -> Iterator[bytes | None]:
             yield rest
 
 
-def _csv(f: str, col: str) -> Iterator[tuple[str, dict | Bad]]:
+def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
     bad: dict[int, str] = {}  # line -> why it is no text: the csv module sees an empty line in its place
 
-    def texts():
-        for n, line in _lines(f):
+    def texts(lines):
+        for n, line in lines:
             if isinstance(line, Bad):
                 bad[n] = line.reason
                 line = ""
             yield line + "\n"
 
-    reader = csv.reader(texts())
+    reader = csv.reader(texts(_lines(f)))
     try:
         header = next(reader, None)
     except csv.Error as e:
@@ -121,6 +159,14 @@ def _csv(f: str, col: str) -> Iterator[tuple[str, dict | Bad]]:
     if bad:
         raise ConfigError(f"dataset {f}, line 1: {next(iter(bad.values()))}")
     last = reader.line_num
+    base = 0  # the lines before the reader's first: its line_num counts from there
+    if offset:  # a file that only grew: its rows from its old end, under the file's header
+        lines = _lines(f, offset)
+        first = next(lines, None)
+        if first is None:
+            return
+        base = first[0] - 1
+        reader = csv.reader(texts(itertools.chain([first], lines)))
     while True:
         try:
             values = next(reader, None)
@@ -128,9 +174,10 @@ def _csv(f: str, col: str) -> Iterator[tuple[str, dict | Bad]]:
             values = Bad(f"malformed CSV ({e}); fix that line")
         if values is None:
             return
-        where = f"dataset {f}, line {reader.line_num}"
-        span = [n for n in bad if last < n <= reader.line_num]  # the record's lines, one of them no text
-        last = reader.line_num
+        line = base + reader.line_num
+        where = f"dataset {f}, line {line}"
+        span = [n for n in bad if last < n <= line]  # the record's lines, one of them no text
+        last = line
         if span:
             yield f"dataset {f}, line {span[0]}", Bad(bad[span[0]])
         elif isinstance(values, Bad):
@@ -151,6 +198,20 @@ def _csv(f: str, col: str) -> Iterator[tuple[str, dict | Bad]]:
             yield where, {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in cells}
         for n in span:
             del bad[n]
+
+
+def csv_header(f: str) -> list[str]:
+    """A CSV file's header as _csv reads it, for its rows read from an offset; a ValueError where it has none."""
+    lines = (("" if isinstance(line, Bad) else line) + "\n" for _, line in _lines(f))
+    try:
+        header = next(csv.reader(lines), None)
+    except csv.Error as e:
+        raise ValueError(str(e)) from None
+    finally:
+        lines.close()
+    if not header:
+        raise ValueError("no CSV header")
+    return header
 
 
 def _wanted(names: list[str], col: str, id_col: str | None, f: str) -> list[str]:

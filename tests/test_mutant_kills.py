@@ -1,0 +1,420 @@
+"""Fast tests that kill mutants `make mutants` found surviving: each checks a promise of DESIGN.md or a module's
+documented behaviour that no fast test checked, with expected values worked out here from those words, and a fake
+pipeline in place of a model (no weights, no workers)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import contract_seed
+from omegaconf import OmegaConf
+from PIL import Image
+
+
+def job_cfg(**generate):
+    gen = {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 2.5, "batch_size": 2, "seed": 5}
+    gen |= {"images_per_prompt": 1, "max_sequence_length": 77} | generate
+    model = {"path": "org/model", "call_kwargs": {"not_taken": 1}}
+    return OmegaConf.create({"generate": gen, "model": model, "output": {"reference_bytes": False}})
+
+
+class FakePipeline:
+    """A pipeline of no known family (its call's quirks are none) that takes what a text-to-image call takes and
+    returns, for each image asked for, an image whose every value is its position in the call / 255."""
+
+    def __init__(self, size=None):
+        self.calls = []
+        self.size = size  # (h, w) of the images it makes, whatever was asked for (a pipeline that rounds a size)
+
+    def __call__(
+        self,
+        prompt,
+        height,
+        width,
+        num_inference_steps,
+        guidance_scale,
+        generator,
+        max_sequence_length,
+        negative_prompt=None,
+        num_images_per_prompt=1,
+        output_type="pil",
+        image=None,
+    ):
+        self.calls.append(dict(locals()))
+        n = len(prompt) * num_images_per_prompt
+        h, w = self.size or (height, width)
+        return types.SimpleNamespace(images=np.stack([np.full((h, w, 3), j / 255) for j in range(n)]))
+
+
+class NoNegativePipeline(FakePipeline):
+    def __call__(self, prompt, height, width, num_inference_steps, guidance_scale, generator, max_sequence_length):
+        return super().__call__(prompt, height, width, num_inference_steps, guidance_scale, generator, 1)
+
+
+def test_a_call_gets_its_settings_and_one_cpu_generator_per_image_seeded_from_the_sample_id():
+    """DESIGN.md: each sample's seed is sha256("<generate.seed>:<sample id>"); with N images per prompt the ids are
+    `<id>-<k>`; the call takes N images of each prompt; a key the pipeline does not take is not passed."""
+    from jobs.text_to_image import make_batches, pipeline_kwargs
+
+    cfg = job_cfg(images_per_prompt=2)
+    rows = [{"id": "a", "prompt": "p", "negative_prompt": "n"}, {"id": "b", "prompt": "q"}]
+    [batch] = make_batches(rows, cfg.generate)
+    kw = pipeline_kwargs(FakePipeline(), batch, cfg)
+    gens = kw.pop("generator")
+    assert [g.device.type for g in gens] == ["cpu"] * 4
+    assert [g.initial_seed() for g in gens] == [contract_seed(5, s) for s in ("a-0", "a-1", "b-0", "b-1")]
+    assert kw == {
+        "prompt": ["p", "q"],
+        "height": 32,
+        "width": 48,
+        "num_inference_steps": 3,
+        "guidance_scale": 2.5,
+        "max_sequence_length": 77,
+        "negative_prompt": ["n", ""],  # a row without one gets the empty prompt
+        "num_images_per_prompt": 2,
+    }
+
+
+def test_one_image_per_prompt_and_no_negative_prompts_pass_neither_key():
+    from jobs.text_to_image import make_batches, pipeline_kwargs
+
+    cfg = job_cfg()
+    [batch] = make_batches([{"id": "a", "prompt": "p"}], cfg.generate)
+    kw = pipeline_kwargs(FakePipeline(), batch, cfg)
+    assert "num_images_per_prompt" not in kw and "negative_prompt" not in kw
+    assert kw["prompt"] == ["p", "p"]  # padded to batch_size with the last row
+    [batch] = make_batches([{"id": "a", "prompt": "p", "negative_prompt": "n"}], cfg.generate)
+    assert "negative_prompt" not in pipeline_kwargs(NoNegativePipeline(), batch, cfg)  # a pipeline without one
+
+
+def test_run_batch_asks_for_numpy_images_and_returns_each_real_sample_with_its_model_and_pixels():
+    from jobs.text_to_image import make_batches, run_batch
+
+    cfg = job_cfg(images_per_prompt=2, batch_size=3)
+    [batch] = make_batches([{"id": "a", "prompt": "p"}, {"id": "b", "prompt": "q"}], cfg.generate)
+    pipe = FakePipeline()
+    samples = run_batch(pipe, batch, cfg, num_inference_steps=1)
+    [call] = pipe.calls
+    assert call["output_type"] == "np" and call["num_inference_steps"] == 1  # the warm-up's steps
+    # 3 prompts (one padding) x 2 images: the 4 real ones, prompt-major, image j of the call is level j
+    assert [(s["id"], s["prompt_id"], s["model"], int(s["pixels"][0, 0, 0])) for s in samples] == [
+        ("a-0", "a", "org/model", 0),
+        ("a-1", "a", "org/model", 1),
+        ("b-0", "b", "org/model", 2),
+        ("b-1", "b", "org/model", 3),
+    ]
+    assert {(s["height"], s["width"], s["seed"]) for s in samples[:1]} == {(32, 48, contract_seed(5, "a-0"))}
+
+
+def test_non_finite_images_fail_naming_the_first_five_samples_the_count_and_the_model():
+    """DESIGN.md: a decoded image made from non-finite values fails its shard."""
+    from jobs.text_to_image import NonFiniteOutput, check_finite, make_batches
+
+    cfg = job_cfg(batch_size=8)
+    [batch] = make_batches([{"id": f"r{i}", "prompt": "p"} for i in range(7)], cfg.generate)
+    values = np.zeros((8, 2, 2, 3))
+    check_finite(batch, values, "vae")  # all finite: nothing raised
+    values[[0, 1, 2, 3, 4, 5]] = np.nan
+    values[7] = np.inf  # the padding row's image is not a sample: never named
+    with pytest.raises(NonFiniteOutput) as e:
+        check_finite(batch, torch.from_numpy(values), "transformer")
+    said = str(e.value)
+    assert "the transformer gave non-finite values" in said and "'r0', 'r1', 'r2', 'r3', 'r4' and 1 more" in said
+    assert "(6 of 7 in the batch)" in said and "r5" not in said
+
+
+def png(color, size) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_an_edit_call_holds_one_row_with_its_references_at_the_rows_size_and_lineage(tmp_path):
+    """DESIGN.md: job=edit sends each row's reference images to the pipeline's `image=`, and records each one's
+    {id, path, sha256} as the `reference` column; a call holds one row (generate.batch_size does not apply)."""
+    from jobs import edit
+
+    cfg = job_cfg(batch_size=4, images_per_prompt=2)
+    cfg.output.reference_bytes = True
+    refs = [png("red", (8, 4)), png("blue", (4, 4))]
+    paths = []
+    for i, data in enumerate(refs):
+        (tmp_path / f"r{i}.png").write_bytes(data)
+        paths.append(str(tmp_path / f"r{i}.png"))
+    shas = [hashlib.sha256(d).hexdigest() for d in refs]
+    rows = [
+        {
+            "id": "a",
+            "prompt": "p",
+            "ref_sha256": " ".join(shas),
+            "ref_loc": json.dumps([{"path": f"r{i}.png", "src": p} for i, p in enumerate(paths)]),
+        },
+        {"id": "b", "prompt": "q", "ref_sha256": shas[1], "ref_loc": json.dumps([{"path": "r1.png", "src": paths[1]}])},
+    ]
+    batches = edit.shard_batches(rows, cfg)
+    assert [(b.n_real, [r["id"] for r in b.rows]) for b in batches] == [(1, ["a"]), (1, ["b"])]
+    a = batches[0]
+    assert a.lineage == [{"id": "a", "path": f"r{i}.png", "sha256": shas[i]} for i in range(2)]
+    pipe = FakePipeline()
+    samples = edit.run_batch(pipe, a, cfg)
+    [call] = pipe.calls
+    assert [im.size for im in call["image"]] == [(48, 32), (48, 32)]  # width x height of the row's bucket
+    assert call["image"][0].getpixel((24, 16)) == (255, 0, 0) and call["image"][1].getpixel((0, 0)) == (0, 0, 255)
+    assert [len(g) for g in [call["generator"]]] == [2]  # one row, its 2 images
+    assert [s["id"] for s in samples] == ["a-0", "a-1"]
+    assert all(s["reference"] == a.lineage for s in samples)
+    assert samples[0]["reference_image"] == {"bytes": refs[0], "path": "r0.png"}  # output.reference_bytes
+    cfg.output.reference_bytes = False
+    assert "reference_image" not in edit.run_batch(FakePipeline(), edit.shard_batches(rows, cfg)[1], cfg)[0]
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16L", "I;16B", "I;16N", "I"])
+def test_a_16_bit_or_32_bit_grey_reference_is_scaled_by_its_top_byte_in_every_mode(mode):
+    """jobs/edit.py: a 16-bit grey reference keeps its whole range (its top byte), in each of PIL's 16-bit modes
+    and 32-bit "I"; as RGB. Values beyond 0..65535 (only "I" holds them) are clipped to black and white."""
+    from jobs.edit import to_rgb
+
+    values = [0, 255, 256, 0x1234, 0x8000, 65535]
+    want = [0, 0, 1, 0x12, 0x80, 255]
+    if mode == "I":
+        values, want = values + [-5, 70000], want + [0, 255]
+    im = Image.new(mode, (len(values), 1))
+    for x, v in enumerate(values):
+        im.putpixel((x, 0), v)
+    out = to_rgb(im)
+    assert out.mode == "RGB" and [out.getpixel((x, 0)) for x in range(len(values))] == [(v, v, v) for v in want]
+
+
+def test_a_cmyk_reference_with_a_damaged_icc_profile_is_one_warning_and_the_plain_conversion(caplog):
+    from jobs.edit import to_rgb
+
+    im = Image.new("CMYK", (2, 2), (0, 255, 255, 0))  # red in CMYK
+    im.info["icc_profile"] = b"not an icc profile"
+    with caplog.at_level("WARNING"):
+        out = to_rgb(im)
+    assert out.mode == "RGB" and out.getpixel((0, 0)) == Image.new("CMYK", (1, 1), (0, 255, 255, 0)).convert(
+        "RGB"
+    ).getpixel((0, 0))
+    [record] = [r for r in caplog.records if "ICC profile cannot be used" in r.getMessage()]
+    assert record.levelname == "WARNING"
+
+
+def bands(w: int, h: int, horizontal: bool) -> Image.Image:
+    """Three bands, red / green / blue, across (horizontal) or down the image."""
+    im = Image.new("RGB", (w, h))
+    for i, color in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255)]):
+        box = (0, i * h // 3, w, (i + 1) * h // 3) if horizontal else (i * w // 3, 0, (i + 1) * w // 3, h)
+        im.paste(color, box)
+    return im
+
+
+def test_crop_keeps_the_middle_of_a_tall_reference_and_pad_centers_it_on_black():
+    """generate.reference_fit: `crop` covers the size keeping the aspect ratio, then cuts the middle out; `pad`
+    fits it inside, centered on black (the 96x32 wide case is test_runtime_bounds'; here the tall one)."""
+    from jobs.edit import fit_image
+
+    cropped = fit_image(bands(32, 96, horizontal=True), 64, 64, "crop")  # 64x192, rows 64..127: the green band
+    assert cropped.size == (64, 64)
+    assert all(cropped.getpixel((32, y))[1] > 200 and cropped.getpixel((32, y))[0] < 60 for y in (3, 32, 60))
+    padded = fit_image(Image.new("RGB", (10, 40), "red"), 40, 40, "pad")  # 10 wide, centered: columns 15..24
+    assert padded.getbbox() == (15, 0, 25, 40)
+
+
+@pytest.mark.parametrize("size, box", [((100, 1), (0, 4, 10, 5)), ((1, 100), (4, 0, 5, 10))])
+def test_pad_keeps_a_reference_one_pixel_thin_one_pixel_thin(size, box):
+    """A 100:1 reference padded into 10x10 is 10x0.1: at least one pixel, and no more, centered."""
+    from jobs.edit import fit_image
+
+    assert fit_image(Image.new("RGB", size, "white"), 10, 10, "pad").getbbox() == box
+
+
+def test_a_swept_lora_scale_replaces_that_loras_scale_and_the_others_keep_theirs_default_1():
+    """DESIGN.md: model.loras is a list of {path, scale} (scale default 1.0); generate.sweep's `lora_scale.<i>` sweeps
+    LoRA i; the `lora_scales` column holds every LoRA's scale for the variant."""
+    from jobs.text_to_image import shard_batches
+
+    cfg = job_cfg(sweep={"lora_scale.1": [0.25, 2.0]})
+    cfg.model.loras = [{"path": "a.safetensors", "scale": 0.5}, {"path": "b.safetensors"}]
+    batches = shard_batches([{"id": "x", "prompt": "p"}], cfg)
+    assert [(b.variant, b.lora_scales) for b in batches] == [(0, (0.5, 0.25)), (1, (0.5, 2.0))]
+    [s] = batches[1].samples(np.zeros((2, 1, 1, 3)))
+    assert s["id"] == "x@1" and s["lora_scales"] == [0.5, 2.0]
+
+
+class CacheTransformer:
+    """A transformer with diffusers' step cache: `cache_context(name)` opens the context a cached call runs in."""
+
+    def __init__(self, enabled):
+        if enabled is not None:
+            self.is_cache_enabled = enabled
+        self.opened = []
+
+    def cache_context(self, name):
+        self.opened.append(name)
+        return contextlib.nullcontext()
+
+
+def test_a_flux2_call_runs_in_the_step_caches_cond_context_only_when_a_cache_is_on():
+    """jobs/text_to_image.py: FLUX.2's pipeline opens no cache context of its own, so the job opens "cond" around the
+    call when a step cache is on; never where none is (or the transformer has none)."""
+    from jobs.text_to_image import cache_context, make_batches, run_batch
+
+    Flux2Pipeline = type("Flux2Pipeline", (FakePipeline,), {})  # the family is found by the class's name
+    for enabled, opened in [(True, ["cond"]), (False, []), (None, [])]:
+        pipe = Flux2Pipeline()
+        pipe.transformer = CacheTransformer(enabled)
+        with cache_context(pipe):
+            pass
+        assert pipe.transformer.opened == opened
+    cfg = job_cfg()
+    pipe = Flux2Pipeline()
+    pipe.transformer = CacheTransformer(True)
+    run_batch(pipe, make_batches([{"id": "a", "prompt": "p"}], cfg.generate)[0], cfg)
+    assert pipe.transformer.opened == ["cond"] and len(pipe.calls) == 1
+    generic = FakePipeline()  # a family without the quirk: no context, whatever its transformer says
+    generic.transformer = CacheTransformer(True)
+    with cache_context(generic):
+        pass
+    assert generic.transformer.opened == []
+
+
+def test_samples_carry_the_rows_prompt_and_negative_prompt_the_real_size_and_8_bit_pixels():
+    """DESIGN.md: `prompt`, `height` and `width` (the size the image really has); `prompt_id` only with N > 1; the
+    image as 8-bit pixels."""
+    from jobs.text_to_image import make_batches, run_batch
+
+    cfg = job_cfg(batch_size=2)
+    [batch] = make_batches(
+        [{"id": "a", "prompt": "p", "negative_prompt": "n"}, {"id": "b", "prompt": "q"}], cfg.generate
+    )
+    samples = run_batch(FakePipeline(size=(16, 12)), batch, cfg)
+    assert [(s["id"], s["prompt"], s["negative_prompt"], s["height"], s["width"]) for s in samples] == [
+        ("a", "p", "n", 16, 12),
+        ("b", "q", None, 16, 12),
+    ]
+    assert all("prompt_id" not in s for s in samples)  # N = 1 writes no prompt_id
+    assert samples[1]["pixels"].dtype == np.uint8 and samples[1]["pixels"].max() == 1  # image 1 is level 1/255
+    assert [int(s["pixels"].max()) for s in batch.samples(np.ones((2, 1, 1, 3)))] == [255, 255]  # white is 255
+
+
+def test_non_finite_decoded_images_name_the_vae_and_the_variant_ids_and_exactly_five_have_no_more():
+    from jobs.text_to_image import NonFiniteOutput, make_batches
+
+    cfg = job_cfg(batch_size=5, sweep={"guidance_scale": [1.0, 2.0]})
+    batches = make_batches([{"id": f"r{i}", "prompt": "p"} for i in range(5)], cfg.generate)
+    with pytest.raises(NonFiniteOutput) as e:
+        batches[1].samples(np.full((5, 2, 2, 3), np.nan))
+    said = str(e.value)
+    assert said.startswith("the vae gave") and "'r0@1', 'r1@1', 'r2@1', 'r3@1', 'r4@1' (5 of 5" in said
+
+
+def test_each_chunk_of_a_sweep_is_followed_by_its_variants_with_the_chunks_index_and_n_images():
+    """jobs/text_to_image.py: each batch of prompts (a chunk) is followed by one batch per variant, the same rows
+    and seeds; each keeps generate.images_per_prompt."""
+    from jobs.text_to_image import make_batches
+
+    cfg = job_cfg(batch_size=1, images_per_prompt=2, sweep={"num_inference_steps": [2, 5]})
+    batches = make_batches([{"id": "a", "prompt": "p"}, {"id": "b", "prompt": "q"}], cfg.generate)
+    got = [(b.variant, b.images_per_prompt, b.rows[0]["id"], b.shape[2]) for b in batches]
+    assert got == [(0, 2, "a", 2), (1, 2, "a", 5), (0, 2, "b", 2), (1, 2, "b", 5)]
+    chunks = [b.chunk for b in batches]  # a chunk's batches share it (and its embeddings), no other batch does
+    assert chunks[0] == chunks[1] != chunks[2] == chunks[3]
+    assert batches[0].seeds == batches[1].seeds == [contract_seed(5, "a-0"), contract_seed(5, "a-1")]
+
+
+def test_an_edit_warm_up_call_takes_the_steps_it_is_given(tmp_path):
+    from jobs import edit
+
+    cfg = job_cfg()
+    (tmp_path / "r.png").write_bytes(data := png("red", (4, 4)))
+    row = {"id": "a", "prompt": "p", "ref_sha256": hashlib.sha256(data).hexdigest()}
+    row["ref_loc"] = json.dumps([{"path": "r.png", "src": str(tmp_path / "r.png")}])
+    pipe = FakePipeline()
+    edit.run_batch(pipe, edit.shard_batches([row], cfg)[0], cfg, num_inference_steps=1)
+    assert pipe.calls[0]["num_inference_steps"] == 1
+
+
+def test_a_flux2_call_gets_its_text_encoder_layers_as_a_tuple():
+    """launcher/models/flux2.py's call quirk, applied by the job: the pipeline takes text_encoder_out_layers as a
+    tuple (a list from the config would not do)."""
+    from jobs.text_to_image import make_batches, pipeline_kwargs
+
+    class Flux2Pipeline(FakePipeline):
+        def __call__(
+            self, prompt, height, width, num_inference_steps, guidance_scale, generator, text_encoder_out_layers
+        ):
+            raise AssertionError("not called")
+
+    cfg = job_cfg()
+    cfg.model.call_kwargs = {"text_encoder_out_layers": [1, 2]}
+    kw = pipeline_kwargs(Flux2Pipeline(), make_batches([{"id": "a", "prompt": "p"}], cfg.generate)[0], cfg)
+    assert kw["text_encoder_out_layers"] == (1, 2) and isinstance(kw["text_encoder_out_layers"], tuple)
+
+
+def test_a_reference_stored_in_a_parquet_is_read_from_its_rows_group_past_the_first(tmp_path):
+    """DESIGN.md (job=edit): a reference may be an Image struct {bytes, path} in the source; it is read back by row
+    when its shard runs. Row 4 of a Parquet of 2-row groups sits in the third group; a row past the end is gone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.reference_reads import load_references
+
+    images = [
+        [{"bytes": png((i, 0, 0), (2, 2)), "path": f"{i}.png"}, {"bytes": png((0, i, 0), (2, 2)), "path": None}]
+        for i in range(6)
+    ]
+    f = tmp_path / "src.parquet"
+    pq.write_table(pa.table({"id": [str(i) for i in range(6)], "image": images}), f, row_group_size=2)
+    assert pq.ParquetFile(f).num_row_groups == 3
+
+    def row(n, k):
+        data = images[min(n, 5)][k]["bytes"]
+        loc = [{"path": f"src.parquet row {n}", "src": [str(f), "image", n, k]}]
+        return {"id": str(n), "ref_loc": json.dumps(loc), "ref_sha256": hashlib.sha256(data).hexdigest()}
+
+    for n, k in [(0, 0), (3, 1), (4, 0), (5, 1)]:
+        [(lineage, data)] = load_references(row(n, k))
+        assert data == images[n][k]["bytes"] and lineage["id"] == str(n)
+    with pytest.raises(FileNotFoundError, match="row 6"):
+        load_references(row(6, 0))
+
+
+def test_a_done_shards_changed_added_and_removed_prompts_are_named_and_shifted_rows_are_told(tmp_path):
+    """DESIGN.md: run.stale decides what happens to done shards whose prompts changed; the refusal names the samples
+    whose prompt (or reference image) changed, was added or removed, and tells shifted row numbers (most changed
+    prompts still there under other ids) apart."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.stale import changed_ids
+    from launcher.ledger.store import Store
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(
+        pa.table({"id": ["a", "b", "c"], "prompt": ["pa", "pb", "pc"]}), tmp_path / "data/shard-00003.parquet"
+    )
+    store = Store(tmp_path)
+
+    def now(ids, prompts, **cols):
+        return pa.table({"id": ids, "prompt": prompts, **cols})
+
+    assert changed_ids(store, 3, now(["a", "b", "c"], ["pa", "pb", "pc"])) == ([], False, [])
+    assert changed_ids(store, 3, now(["a", "b", "d"], ["pa", "pb2", "pd"])) == (["b", "d", "c"], False, [])
+    assert changed_ids(store, 3, now(["a", "b"], ["pb", "pc"])) == (["a", "b", "c"], True, [])  # one row gone above
+    assert changed_ids(store, 4, now(["a"], ["pa"])) == ([], False, [])  # no data file: nothing to compare
+    assert changed_ids(None, 3, now(["a"], ["x"])) == ([], False, [])
+
+    # N images per prompt: the samples' prompt_id is the prompt's id; an edit job: a reference whose content changed
+    ref = [{"id": "a", "path": "r.png", "sha256": "1" * 64}]
+    old = {"id": ["a-0", "a-1"], "prompt_id": ["a", "a"], "prompt": ["pa", "pa"], "reference": [ref, ref]}
+    pq.write_table(pa.table(old), tmp_path / "data/shard-00005.parquet")
+    assert changed_ids(store, 5, now(["a"], ["pa"], ref_sha256=["1" * 64])) == ([], False, [])
+    assert changed_ids(store, 5, now(["a"], ["pa"], ref_sha256=["2" * 64])) == (["a"], False, ["r.png"])
+    assert changed_ids(store, 5, now(["a"], ["pa2"], ref_sha256=["2" * 64])) == (["a"], False, [])  # the prompt said

@@ -1,0 +1,109 @@
+"""`make mutants ROOM=worker`: mutmut over one room of the code (or every room), then each room's counts.
+
+    python tools/mutants.py [ROOM|all] [--max-children N]   run the room's mutants, then print every room's counts
+    python tools/mutants.py --counts                         print the counts of the last runs only
+    python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
+
+A room is a folder (ledger, host, worker, jobs); pyproject's [tool.mutmut] mutates all four and names one list of
+fast tests for them all. mutmut's stats run (once, kept in mutants/mutmut-stats.json until that list changes)
+records which of those tests call each function, and each mutant runs only those, so each room gets the tests
+that cover it without a list per room. A room is chosen by a mutant-name glob (`launcher.worker.*`), which also
+makes mutmut run that room's mutants again even where an earlier run left a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROOMS = {"ledger": "launcher/ledger", "host": "launcher/host", "worker": "launcher/worker", "jobs": "jobs"}
+# mutmut's exit codes of a mutant's test run (mutmut/stats.py status_by_exit_code); anything else is suspicious.
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout"}
+STATUS |= {-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
+COLUMNS = ("killed", "survived", "no tests", "timeout", "suspicious", "not checked")
+
+
+def room_glob(room: str) -> str:
+    """The mutant names of a room: mutmut names each mutant `<module>.<function>__mutmut_<n>`."""
+    return ROOMS[room].replace("/", ".") + ".*"
+
+
+def verdicts(room: str, mutants: Path = REPO / "mutants") -> dict[str, str]:
+    """Each of the room's mutants and how the last run judged it, from mutmut's meta file beside each module."""
+    found = {}
+    for meta in sorted((mutants / ROOMS[room]).glob("*.py.meta")):
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            found[name] = STATUS.get(code, "suspicious")
+    return found
+
+
+def counts(room: str) -> Counter:
+    return Counter(verdicts(room).values())
+
+
+def score(c: Counter) -> float:
+    """Killed (a timeout is a change the tests noticed) over every mutant judged, no-test ones included: a mutant
+    that no test runs is a change no test would notice."""
+    judged = sum(c[k] for k in ("killed", "timeout", "survived", "no tests", "suspicious"))
+    return (c["killed"] + c["timeout"]) / judged if judged else 0.0
+
+
+def table(walls: dict[str, float]) -> str:
+    head = f"{'room':8} {'mutants':>7} " + " ".join(f"{k:>11}" for k in COLUMNS) + f" {'score':>6} {'wall':>8}"
+    lines = [head]
+    for room in ROOMS:
+        c = counts(room)
+        wall = f"{walls[room] / 60:.1f} min" if room in walls else "-"
+        cells = " ".join(f"{c[k]:>11}" for k in COLUMNS)
+        lines.append(f"{room:8} {sum(c.values()):>7} {cells} {score(c):>6.1%} {wall:>8}")
+    return "\n".join(lines)
+
+
+def run(room: str, max_children: int) -> float:
+    """One room's mutants, by mutmut in this checkout; its wall time in seconds. Raises SystemExit where mutmut
+    fails (its stats or clean run: a selected test fails without any mutant)."""
+    mutmut = Path(sys.executable).parent / "mutmut"  # `python -m mutmut` re-executes its main module
+    start = time.monotonic()
+    # One thread per torch op: mutants are forked from the process that ran the stats (and torch), and a child
+    # forked from a process with an OpenMP pool segfaults in its first parallel op (217 of jobs' 659 mutants did).
+    # mutmut's fork server (process_isolation) avoids it too, but took ~8 s of wall time a mutant here, not ~0.6 s.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [str(mutmut), "run", "--max-children", str(max_children), room_glob(room)]
+    if subprocess.run(cmd, cwd=REPO, env=env).returncode:
+        sys.exit(f"error: mutmut failed on room {room} (above); fix the failing test, then run again")
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("room", nargs="?", default="all", help=f"one of {', '.join(ROOMS)}, or all (the default)")
+    parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--counts", action="store_true", help="only print the counts of the last runs")
+    parser.add_argument("--survivors", action="store_true", help="only list the room's surviving mutants")
+    args = parser.parse_args(argv)
+    room = args.room or "all"
+    if room != "all" and room not in ROOMS:
+        print(f"error: no room {room!r}: ROOM must be one of {', '.join(ROOMS)} or all", file=sys.stderr)
+        return 2
+    rooms = list(ROOMS) if room == "all" else [room]
+    if args.survivors:  # `mutmut show NAME` shows one
+        print("\n".join(n for r in rooms for n, v in verdicts(r).items() if v in ("survived", "suspicious")))
+        return 0
+    walls: dict[str, float] = {}
+    if not args.counts:
+        for r in rooms:
+            walls[r] = run(r, args.max_children)
+            print(f"room {r}: {walls[r] / 60:.1f} min", flush=True)
+    print(table(walls))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
