@@ -156,7 +156,12 @@ def once(tmp_path_factory, worker_id):
 
     yield get
     # A test that writes into a shared folder breaks another module's test, on whichever worker runs it after.
-    changed = [str(f) for f, before in seen.items() if listing(f) != before]
+    changed = {}
+    for f, before in seen.items():
+        now = listing(f)
+        diff = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        if diff:
+            changed[str(f)] = diff[:10]  # the entries that differ name the test that wrote them
     assert not changed, f"a test changed a folder that once() made for every module (copy it first): {changed}"
 
 
