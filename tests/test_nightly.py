@@ -341,3 +341,26 @@ def test_a_file_written_to_while_it_is_read_is_read_whole_next_time(tmp_path, mo
     assert read == [[0, 11]]
     second, read = nights.plan()
     assert read == [[0, 11]] and second.selected == []
+
+
+def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path):
+    """Pass 2 reads a map's shard column, then only the row groups (one per planned batch) holding the wanted
+    shards: a map of four row groups, wanted shards in the second and the fourth, gives exactly their rows."""
+    from types import SimpleNamespace
+
+    from launcher.ledger import idmap
+    from launcher.ledger.idpass2 import _map
+    from launcher.ledger.store import Store
+
+    (tmp_path / "sources").mkdir()
+    rows = [list(range(g * 10, g * 10 + 10)) for g in range(4)]  # a shard of 10 ids in each group, 10 rows each
+    with pq.ParquetWriter(tmp_path / "sources" / "m.parquet", idmap.MAP_SCHEMA) as w:
+        for g, rs in enumerate(rows):
+            cols = {"row": rs, "id": [f"u{r}" for r in rs], "h": rs, "fp": rs, "shard": [g] * 10}
+            w.write_table(pa.table({**cols, "pos": list(range(10))}, schema=idmap.MAP_SCHEMA))
+    assert pq.ParquetFile(tmp_path / "sources" / "m.parquet").num_row_groups == 4
+    index = SimpleNamespace(store=Store(tmp_path), files={"f": {"map": "sources/m.parquet"}})
+    got = _map(index, "f", ["row", "id", "shard"], pa.array([1, 3], pa.int32()))
+    assert got["row"].to_pylist() == [*range(10, 20), *range(30, 40)]
+    assert got["id"].to_pylist() == [f"u{r}" for r in [*range(10, 20), *range(30, 40)]]
+    assert _map(index, "f", ["row", "shard"], pa.array([7], pa.int32())).num_rows == 0  # no shard there

@@ -41,6 +41,16 @@ def stage_seconds(state: dict) -> dict[str, float]:
     return {}
 
 
+_PENDING = {
+    "status": "pending",
+    **dict.fromkeys(("rows", "seconds", "images_per_s", "finished_at", "data_bytes", "parquet_size", "run_id")),
+    "error": "",
+    "stages": {},
+    "kept_stale": False,
+    "kept_ids": [],
+}
+
+
 def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     """The run's config, per-shard outcomes and totals, from run.json and the state files (or the states given:
     the launcher passes what its ledger already holds)."""
@@ -48,11 +58,15 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     if meta is None:
         raise FileNotFoundError(f"{run.uri} has no run.json; is it a meshgen output folder?")
     mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
+    listed = {int(n[6:-5]) for n in mtimes if n.startswith("shard-") and n[6:-5].isdigit()}
     states = read_states(run) if states is None else states
     shards, from_mtime = [], False
     for index in range(meta["shards"]):
-        name = f"{shard_name(index)}.json"
-        st = states.get(index, {})
+        st = states.get(index)
+        if st is None and index not in listed:  # most shards of a big source are pending: a copy each, no lookups
+            shards.append({**_PENDING, "index": index, "stages": {}, "kept_ids": []})
+            continue
+        name, st = f"{shard_name(index)}.json", st or {}
         finished = st.get("finished_at")
         if finished is None and name in mtimes:
             # The state file is written last, so its mtime is when the shard finished, for runs that predate
