@@ -64,7 +64,7 @@ def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     for index in range(meta["shards"]):
         st = states.get(index)
         if st is None and index not in listed:  # most shards of a big source are pending: a copy each, no lookups
-            shards.append({**_PENDING, "index": index, "stages": {}, "kept_ids": []})
+            shards.append({"index": index, **_PENDING, "stages": {}, "kept_ids": []})  # fresh, not shared
             continue
         name, st = f"{shard_name(index)}.json", st or {}
         finished = st.get("finished_at")

@@ -120,7 +120,6 @@ def file_batches(
     `offset`: bytes of a single text file to pass over, its old end where it only grew (launcher/ledger/idplan.py);
     not with references or kept columns, whose readers start at the top."""
     from launcher.ledger import rejected
-    from launcher.ledger.prompts_exact import exact_rows
     from launcher.ledger.prompts_fast import fast_batches
 
     refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
@@ -146,7 +145,7 @@ def file_batches(
                 done += b.num_rows
         except _GiveUp:
             try:
-                for b in _batches(exact_rows(f, src, start, offset), skip=done, schema=schema):
+                for b in _batches(_exact_rows(f, src, start, offset), skip=done, schema=schema):
                     yield f, start + done, out(b, start + done)
                     done += b.num_rows
             except OSError as e:  # the store stopped answering mid-file: one line, not a traceback
@@ -210,10 +209,10 @@ def _batches(rows: Iterator[dict], skip: int = 0, schema: pa.Schema = SCHEMA) ->
         yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 
 
-def _exact_rows(f: str, src: Source, start: int) -> Iterator[dict]:
+def _exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dict]:
     from launcher.ledger.prompts_exact import exact_rows
 
-    return exact_rows(f, src, start)
+    return exact_rows(f, src, start, offset)
 
 
 def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
