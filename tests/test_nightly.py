@@ -364,3 +364,24 @@ def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path)
     assert got["row"].to_pylist() == [*range(10, 20), *range(30, 40)]
     assert got["id"].to_pylist() == [f"u{r}" for r in [*range(10, 20), *range(30, 40)]]
     assert _map(index, "f", ["row", "shard"], pa.array([7], pa.int32())).num_rows == 0  # no shard there
+
+
+@pytest.mark.parametrize("damage", ["a map file gone", "entries of the wrong type"])
+def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch, caplog, damage):
+    """A file of the output folder never stops a run with a traceback: an index.json that names a missing map, or
+    holds the wrong types, is read as no map; the unchanged source then plans to the same done shards."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    first, _ = nights.plan()
+    index = tmp_path / "out" / "sources" / "index.json"
+    data = json.loads(index.read_text())
+    if damage == "a map file gone":
+        (tmp_path / "out" / data["files"][str(src)]["map"]).unlink()
+    else:
+        data["files"][str(src)]["rows_all"] = "ten"
+        index.write_text(json.dumps(data))
+    again, read = nights.plan()
+    assert "the id map" in caplog.text and "is damaged" in caplog.text
+    assert read == [[0, 10]]  # read whole again
+    assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]

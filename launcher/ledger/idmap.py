@@ -17,6 +17,7 @@ its lock (`commit`), so a dry run or a refused run leaves the output folder as i
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -104,7 +105,29 @@ def load(store: Store | None, shard_size: int) -> Index:
     data = store.read_json(INDEX) if store is not None else None
     if not isinstance(data, dict) or data.get("version") != VERSION or data.get("shard_size") != shard_size:
         return Index(store)
+    problem = _problem(store, data)
+    if problem:  # the output folder is outside the process: a damaged map must not stop the run with a traceback
+        logging.getLogger(__name__).warning(
+            "the id map %s is damaged (%s): the source is planned afresh; a done shard whose ids it placed "
+            "otherwise is found stale and named", store.path(INDEX), problem,
+        )  # fmt: skip
+        return Index(store)
     return Index(store, data)
+
+
+def _problem(store: Store, data: dict) -> str | None:
+    """Why a committed index cannot be used (every name it holds a file under sources/, every place a number), or
+    None."""
+    files, runs = data.get("files"), data.get("runs")
+    if not isinstance(data.get("gen"), int) or not isinstance(files, dict) or not isinstance(runs, list):
+        return "its fields have the wrong types"
+    ints = ("start", "rows_all", "lo", "hi")
+    if not all(isinstance(e, dict) and all(isinstance(e.get(k), int) for k in ints) for e in files.values()):
+        return "a source file's entry is not what it should be"
+    names = [data.get("shards"), data.get("left"), *runs, *(e.get("map") for e in files.values())]
+    listed = {f"{DIR}/{i.base_name}" for i in store.files(DIR)}
+    missing = [n for n in names if n is not None and (not isinstance(n, str) or n not in listed)]
+    return f"{missing[0]} is missing" if missing else None
 
 
 @dataclass
