@@ -418,3 +418,83 @@ def test_a_done_shards_changed_added_and_removed_prompts_are_named_and_shifted_r
     assert changed_ids(store, 5, now(["a"], ["pa"], ref_sha256=["1" * 64])) == ([], False, [])
     assert changed_ids(store, 5, now(["a"], ["pa"], ref_sha256=["2" * 64])) == (["a"], False, ["r.png"])
     assert changed_ids(store, 5, now(["a"], ["pa2"], ref_sha256=["2" * 64])) == (["a"], False, [])  # the prompt said
+
+
+def _pipeline_folder(root, transformer: bytes, vae: bytes = b"vae weights") -> None:
+    """A pipeline folder as model_weights reads it: model_index.json and one safetensors file per component."""
+    root.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": "Flux2Pipeline", "transformer": ["diffusers", "X"], "vae": ["diffusers", "Y"]}
+    (root / "model_index.json").write_text(json.dumps(index))
+    for name, data in (("transformer", transformer), ("vae", vae)):
+        (root / name).mkdir(exist_ok=True)
+        (root / name / "diffusion_pytorch_model.safetensors").write_bytes(data)
+
+
+def test_resuming_with_other_weights_or_settings_is_refused_naming_them_and_how_the_work_is_run_is_not(tmp_path):
+    """DESIGN, run.json: it fingerprints the model's weights by content and the generation settings, not how the
+    work is run; resuming with other settings exits 2. A folder made before this host had the weights is judged
+    on the rest, and the weights are recorded when they are here."""
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_run_json, write_run_json
+    from launcher.ledger.store import Store
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    store = Store(out)
+    cfg = lambda *o: load_config("tiny", [f"model.path={model}", "model.build=null", *o])  # noqa: E731
+    write_run_json(store, cfg(), 2)  # the weights are not on this host yet
+    assert json.loads((out / "run.json").read_text())["settings"]["model"].get("weights") is None
+    _pipeline_folder(model, b"transformer weights 1")
+    check_run_json(store, cfg())  # the rest is the same: accepted
+    write_run_json(store, cfg(), 2)  # and the weights are recorded now
+    recorded = json.loads((out / "run.json").read_text())["settings"]["model"]["weights"]
+    assert sorted(recorded) == ["transformer", "vae"]
+    check_run_json(store, cfg("generate.batch_size=3", "mesh.tp=1", "dataset.limit=5"))  # how it is run
+
+    with pytest.raises(ConfigError, match=r"other settings \(generate\.seed: 0 -> 6\).*run\.overwrite=true") as e:
+        check_run_json(store, cfg("generate.seed=6"))
+    assert e.value.exit_code == 2
+    with pytest.raises(ConfigError, match=r"another sweep \(generate\.sweep: .*\).*new output\.dir"):
+        check_run_json(store, cfg("+generate.sweep={guidance_scale:[1.0,2.0]}"))
+
+    _pipeline_folder(model, b"transformer weights 2, longer")  # the same path, other weights for one component
+    with pytest.raises(ConfigError) as e:
+        check_run_json(store, cfg())
+    message = str(e.value)
+    assert f"model.path {model}: the weights of transformer changed since output.dir {out} was made" in message
+    assert f"(transformer: sha256 {recorded['transformer'][:12]} -> sha256 " in message and "vae" not in message
+    shown = message.split("-> sha256 ")[1][:12]
+    assert len(shown) == 12 and shown != recorded["transformer"][:12]
+    assert message.endswith("; choose a new output.dir or run.overwrite=true")
+    with pytest.raises(ConfigError, match=r"changed since .*; other settings differ too: generate\.seed: 0 -> 6;"):
+        check_run_json(store, cfg("generate.seed=6"))
+
+
+def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_out():
+    """A run over done shards whose prompts (or references) changed is refused naming the shards, up to five
+    changed samples and how many more, and run.stale=regenerate / keep; without an id column, shifted prompts
+    point at dataset.id_column."""
+    from launcher.ledger.stale import stale_message
+
+    positional = OmegaConf.create({"dataset": {"id_column": None}})
+    by_id = OmegaConf.create({"dataset": {"id_column": "uid"}})
+    ids = [f"s{i}" for i in range(7)]
+    message = stale_message(positional, {3: (ids[:4], False, []), 1: (ids[4:], True, [])})
+    assert message == (
+        "shards [1, 3] are done but their prompts changed since (samples s0, s1, s2, s3, s4 and 2 more); the "
+        "prompts look shifted, as by a line inserted or deleted before them (ids are row numbers): set "
+        "dataset.id_column to a column of stable ids so that done work keeps its ids; rerun with "
+        "run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
+    )
+    assert "shifted" not in stale_message(by_id, {1: (ids[4:], True, [])})  # ids are the column's: nothing shifts
+    exactly = stale_message(by_id, {0: (ids[:5], False, [])})
+    assert "(samples s0, s1, s2, s3, s4);" in exactly  # five: no "more"
+    unread = stale_message(by_id, {0: (ids[:2], False, []), 9: None})  # shard 9 not looked at
+    assert "shards [0, 9] are done" in unread and "(samples s0, s1 and more);" in unread
+    assert "since; rerun" in stale_message(by_id, {2: None})  # nothing looked at: no samples named
+    refs = [f"r{i}.png" for i in range(6)]
+    message = stale_message(by_id, {0: ([], False, refs[:1]), 1: ([], False, refs[1:])})
+    assert "are done but their reference images changed (r0.png, r1.png, r2.png, r3.png, r4.png and more) since;" in (
+        message
+    )
+    assert "(r0.png) since" in stale_message(by_id, {0: ([], False, refs[:1])})

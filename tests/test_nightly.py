@@ -385,3 +385,22 @@ def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch
     assert "the id map" in caplog.text and "is damaged" in caplog.text
     assert read == [[0, 10]]  # read whole again
     assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
+
+
+def test_duplicates_set_aside_name_the_file_of_the_later_row_and_the_place_of_the_first(tmp_path, monkeypatch):
+    """DESIGN, `dataset.bad_rows=skip`: each set-aside row with its reason. An id of a new file that an unchanged
+    file holds, and one twice in the new file: the later row is set aside, at its own position, and its reason
+    names its own file and the first row's file and row."""
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b = d / "a.jsonl", d / "b.jsonl"
+    write(a, ROWS)  # positions 0-9
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
+    nights.plan()
+    write(b, [{"uid": "q9", "prompt": "new"}, {"uid": "p003", "prompt": "again"}, {"uid": "q9", "prompt": "twice"}])
+    plan, _ = nights.plan()
+    assert [(r["position"], r["id"], r["reason"]) for r in plan.rejected] == [
+        (11, "p003", f"dataset {b}: duplicate id 'p003' (also row 3 of {a}); ids must be unique"),
+        (12, "q9", f"dataset {b}: duplicate id 'q9' (also row 0 of {b}); ids must be unique"),
+    ]
+    assert [s.rows for s in plan.shards[3:]] == [1]  # q9 alone is new

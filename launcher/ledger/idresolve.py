@@ -125,12 +125,14 @@ def _duplicates(twins: pa.Table, rest: pa.Table, out, staged) -> list[tuple[int,
     first = twins.to_pylist()[0]
     dup = rest.filter(pc.equal(stems(rest["id"].combine_chunks()), stems(pa.array([first["id"]]))[0])).to_pylist()[0]
     where = _position(staged, dup["file"], dup["row"])
-    return [(where, _why(dup["id"], first["id"], first["file"], first["row"]), dup["id"], [first["file"], dup["file"]])]
+    why = _why(dup["id"], first["id"], dup["file"], first["file"], first["row"])
+    return [(where, why, dup["id"], [first["file"], dup["file"]])]
 
 
-def _why(rid: str, other: str, f: str, row: int) -> str:
+def _why(rid: str, other: str, f: str, f0: str, row0: int) -> str:
+    """Why the id `rid` of file `f` is set aside: `other`, row `row0` of `f0`, came first."""
     if rid == other:
-        return f"dataset {f}: duplicate id {rid!r} (also row {row} of {f}); ids must be unique"
+        return f"dataset {f}: duplicate id {rid!r} (also row {row0} of {f0}); ids must be unique"
     return (
         f"dataset {f}: ids {other!r} and {rid!r} both become the file name {stems(pa.array([rid]))[0]}; make them "
         "differ in letters, digits, '-' or '_'"
@@ -155,8 +157,7 @@ def _doubles(staged, doubles: np.ndarray, out) -> list[tuple[int, str]]:
         stem = stems(pa.array([rid]))[0].as_py()
         if stem in first:
             f0, row0, rid0 = first[stem]
-            why = _why(rid, rid0, f, row0).replace(f"of {f})", f"of {f0})")
-            late.append((_position(staged, f, row), why, rid, list(dict.fromkeys([f0, f]))))
+            late.append((_position(staged, f, row), _why(rid, rid0, f, f0, row0), rid, list(dict.fromkeys([f0, f]))))
         else:
             first[stem] = (f, row, rid)
     return late
