@@ -498,3 +498,116 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
         message
     )
     assert "(r0.png) since" in stale_message(by_id, {0: ([], False, refs[:1])})
+
+
+def test_a_done_shard_that_only_left_out_rows_set_aside_then_is_told_from_one_whose_rows_changed(tmp_path):
+    """launcher/ledger/rejected.py: a run writes the rows it set aside to rejected/<run id>.parquet; a later run
+    reads it back, and a done shard whose state is its rows now less those (and less the rows set aside now) has
+    only grown by fixed rows. Any other difference, a state without a run id, or a file that cannot be read, is
+    not that."""
+    import pyarrow as pa
+
+    from launcher.ledger import rejected
+    from launcher.ledger.shards import prompts_fingerprint as fp
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    rows = lambda *ks: pa.table({"id": [f"r{k}" for k in ks], "prompt": [f"p{k}" for k in ks]})  # noqa: E731
+    # shard 1 of size 4 holds positions 4-7; the run "r" set aside positions 5 and 7 there, and 2 of shard 0
+    bad = [
+        {"file": "a.txt", "line": p + 1, "position": p, "shard": p // 4, "id": f"r{p}", "reason": "x"}
+        for p in (2, 5, 7)
+    ]
+    rejected.write(store, "r", bad)
+    assert (tmp_path / "rejected" / "r.parquet").exists()
+    rejected.write(store, "empty", [])
+    assert not (tmp_path / "rejected" / "empty.parquet").exists()  # nothing set aside: no file
+    now = rows(4, 5, 6, 7)
+    state = {"run_id": "r", "prompts_fingerprint": fp(rows(4, 6))}
+    assert rejected.was_without(store, state, 1, now, 4, fp)
+    assert not rejected.was_without(store, {**state, "prompts_fingerprint": fp(rows(4, 5, 6))}, 1, now, 4, fp)
+    assert not rejected.was_without(store, {"prompts_fingerprint": state["prompts_fingerprint"]}, 1, now, 4, fp)
+    assert not rejected.was_without(None, state, 1, now, 4, fp)
+    assert not rejected.was_without(store, state, 2, rows(8, 9), 4, fp)  # the run set nothing aside in shard 2
+    # position 7 is still bad now (its `rejected` column set): left out of both sides
+    marked = now.append_column(rejected.FIELD, pa.array([None, None, None, '{"where": "w", "reason": "y"}']))
+    assert rejected.was_without(store, {**state, "prompts_fingerprint": fp(rows(4, 6))}, 1, marked, 4, fp)
+    still_bad = now.append_column(rejected.FIELD, pa.array([None, '{"where": "w", "reason": "y"}', None, None]))
+    assert rejected.was_without(store, state, 1, still_bad, 4, fp)
+    (tmp_path / "rejected" / "r.parquet").write_bytes(b"PAR1 damaged")
+    assert not rejected.was_without(store, state, 1, now, 4, fp)
+
+
+def test_split_takes_a_shards_accepted_rows_and_records_each_set_aside_row_where_it_is():
+    """A shard's rows with their `rejected` column: the accepted ones without it, and for each rejected one its
+    file and line (from "dataset FILE, line N" or "row N"), its position in the source, its shard, id and reason."""
+    import pyarrow as pa
+
+    from launcher.ledger import rejected
+
+    why = lambda where: json.dumps({"where": where, "reason": "too long"})  # noqa: E731
+    table = pa.table(
+        {
+            "id": ["a", "b", "c", "d"],
+            "prompt": ["pa", "pb", "pc", "pd"],
+            "rejected": [None, why("dataset x.jsonl, line 7"), None, why("dataset y.parquet, row 3")],
+        }
+    )
+    good, out = rejected.split(table, 2, 4)
+    assert good.column_names == ["id", "prompt"] and good["id"].to_pylist() == ["a", "c"]
+    assert out == [
+        {"file": "x.jsonl", "line": 7, "position": 9, "shard": 2, "id": "b", "reason": "too long"},
+        {"file": "y.parquet", "line": 3, "position": 11, "shard": 2, "id": "d", "reason": "too long"},
+    ]
+    same, none = rejected.split(table.drop_columns(["rejected"]), 0, 4)
+    assert none == [] and same.num_rows == 4
+    clean = table.set_column(2, rejected.FIELD, pa.nulls(4, pa.string()))
+    good, out = rejected.split(clean, 0, 4)
+    assert out == [] and good.column_names == ["id", "prompt"] and good.num_rows == 4
+
+
+@pytest.mark.parametrize(
+    "source, output, inside",
+    [
+        ("/d/**/*.parquet", "/d/out", True),  # `**`: any depth, the output's data/*.parquet would match
+        ("/d/**/*.parquet", "/d/a/b/out", True),
+        ("/d/**/*.parquet", "/d/.cache/out", False),  # `**` never enters a folder whose name starts with "."
+        ("/d/.*/*.parquet", "/d/.cache", True),  # a part that starts with "." does
+        ("/d/.*/*.parquet", "/d/.cache/out", False),  # and lists the files of /d/.cache only
+        ("/d/*/*.parquet", "/d/out", True),  # lists every folder one below /d
+        ("/d/*/*.parquet", "/d/a/out", False),  # `*` does not cross "/"
+        ("/d/s?c/*.txt", "/d/src", True),
+        ("/d/s?c/*.txt", "/d/sxyc", False),
+        ("/d/[ab]/*.txt", "/d/b/x", False),  # the files of /d/b only, not of its folders
+        ("/d/[ab]/*.txt", "/d/c", False),
+        ("/d/**", "/d/deep/out", True),  # a trailing `**` reaches everything below
+        ("/d", "/d/out", True),  # a folder read whole (save_to_disk, an earlier run's folder)
+        ("/d", "/e/out", False),
+        ("/d", "/d", True),
+        ("/d/src/p.parquet", "/d/src/out", False),  # a file reaches only itself
+        ("/d/src/p.parquet", "/d", True),  # ... which the output folder would hold
+        ("/d/src/P.TXT", "/d/src/out", False),  # a prompt file's suffix in any case
+        ("s3://b/d/**/*.parquet", "s3://b/d/out", True),
+        ("s3://b/d/**/*.parquet?endpoint_override=x", "s3://b/d/out/", True),  # query and trailing "/" dropped
+        ("s3://b/d/**/*.parquet", "gs://b/d/out", False),  # another store
+        ("s3://b/d/*.parquet", "s3://b/d/out", False),
+        ("s3://b/d", "s3://b/d/out", True),
+        ("s3://b/d/**/*.parquet", "/b/d/out", False),
+    ],
+)
+def test_the_reach_of_a_dataset_path_is_what_glob_would_list(source, output, inside):
+    """launcher/ledger/reach.py and DESIGN (globs mean what Python's glob means): an output folder the source could
+    read from is refused, naming both and the fix; one outside it is accepted."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.reach import check_output_outside_source, reaches
+
+    assert reaches(source, output) is inside
+    if inside:
+        with pytest.raises(ConfigError) as e:
+            check_output_outside_source(source, output)
+        assert str(e.value) == (
+            f"output.dir {output} is inside dataset.path {source}'s reach: its files would be read back as prompts; "
+            "choose an output.dir outside it"
+        )
+    else:
+        check_output_outside_source(source, output)
