@@ -611,3 +611,68 @@ def test_the_reach_of_a_dataset_path_is_what_glob_would_list(source, output, ins
         )
     else:
         check_output_outside_source(source, output)
+
+
+GOOD_STATE = {"status": "done", "rows": 2, "seconds": 1.5, "run_id": "r", "stages": {"denoise": 1, "vae": 0.5}}
+
+
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"", "empty"),
+        (b"  \n", "empty"),
+        (b'{"status": "do', "not JSON (Unterminated string starting at: line 1 column 12 (char 11))"),
+        (b"[1, 2]", "a JSON list, not an object"),
+        (b'"done"', "a JSON str, not an object"),
+        (b'{"rows": 2}', "status None is neither 'done' nor 'failed'"),
+        (b'{"status": "pending"}', "status 'pending' is neither 'done' nor 'failed'"),
+        (b'{"status": "done", "rows": true}', "'rows' is 'True'"),  # a bool is no count
+        (b'{"status": "done", "rows": 2.0}', "'rows' is '2.0'"),
+        (b'{"status": "done", "seconds": "1"}', "'seconds' is '1'"),
+        (b'{"status": "failed", "error": 3}', "'error' is '3'"),
+        (b'{"status": "done", "samples": {}}', "'samples' is '{}'"),
+        (
+            b'{"status": "done", "run_id": "' + b"x" * 50 + b'", "prompts_fingerprint": 7}',
+            "'prompts_fingerprint' is '7'",
+        ),
+        (b'{"status": "done", "attempt": ["' + b"y" * 50 + b'"]}', "'attempt' is \"['" + "y" * 38 + '"'),
+        (b'{"status": "done", "stages": {"a": 1, "b": "2"}}', "'stages' holds a value that is not a number"),
+        (b'{"status": "done", "stages": {"a": true}}', "'stages' holds a value that is not a number"),
+        (b'{"status": "done", "files": {"data/a.parquet": []}}', "'files' holds 'data/a.parquet': []"),
+        (
+            b'{"status": "done", "files": {"data/a.parquet": [1, "h", 3]}}',
+            "'files' holds 'data/a.parquet': [1, 'h', 3]",
+        ),
+        (b'{"status": "done", "files": {"data/a.parquet": ["1"]}}', "'files' holds 'data/a.parquet': ['1']"),
+        (b'{"status": "done", "files": {"data/a.parquet": [1, 2]}}', "'files' holds 'data/a.parquet': [1, 2]"),
+        (b'{"status": "done", "files": {"images/s/": [3, "x"]}}', "'files' holds 'images/s/': [3, 'x']"),
+        (b'{"status": "done", "files": {"images/s/": [3]}}', "'files' holds 'images/s/': [3]"),
+        (b'{"status": "done", "files": {"data/./a": [1]}}', "'files' holds 'data/./a': [1]"),
+        (b'{"status": "done", "files": {"data/a/b/c": [1]}}', "'files' holds 'data/a/b/c': [1]"),
+        (b'{"status": "done", "files": {"logs/a": [1]}}', "'files' holds 'logs/a': [1]"),
+    ],
+)
+def test_a_state_file_that_is_not_a_state_is_damaged_and_says_why(data, why):
+    """launcher/ledger/states.py: an empty, cut, non-object or mistyped state file makes its shard not done, and
+    the status and the report name what is wrong with it."""
+    from launcher.ledger.states import parse_state
+
+    assert parse_state(data) == (None, why)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"status": "failed", "error": "boom", "attempts": 2},
+        {"files": {"data/shard-00001.parquet": [10, "ab"], "images/s1/a.png": [4, "cd"]}},
+        {"files": {"data/shard-00001.parquet": [10]}},  # as the index keeps it
+        {"files": {"images/shard-00001/": [3, 120], "webdataset/shard-00001.tar": [5]}},  # a folder: [count, bytes]
+        {"rows": None, "finished_at": 1700000000, "images_per_s": 2},  # null and whole numbers where numbers go
+    ],
+)
+def test_a_sound_state_is_read_as_it_is(extra):
+    from launcher.ledger.states import parse_state
+
+    state = {**GOOD_STATE, **extra}
+    assert parse_state(json.dumps(state).encode()) == (state, None)
