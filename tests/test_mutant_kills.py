@@ -676,3 +676,50 @@ def test_a_sound_state_is_read_as_it_is(extra):
 
     state = {**GOOD_STATE, **extra}
     assert parse_state(json.dumps(state).encode()) == (state, None)
+
+
+def test_a_run_lock_on_disk_names_its_holder_beats_and_is_free_again_once_released(tmp_path, monkeypatch):
+    """DESIGN: one live run per (output folder, worker index); a refused launch exits 4 naming the holder. On disk
+    the record is rewritten at each heartbeat (a watcher sees it change) and emptied at release."""
+    import os
+    import socket
+    import time
+
+    from launcher.errors import LockHeld
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.store import Store
+
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.01)
+    store = Store(tmp_path)
+    first = lock_mod.RunLock(store, 3, "run-a")
+    assert lock_mod.look(store, 3) == (None, False)
+    first.acquire()
+    path = tmp_path / "locks" / "worker-00003.lock"
+    record = json.loads(path.read_text())
+    assert {k: record[k] for k in ("host", "pid", "run_id")} == {
+        "host": socket.gethostname(), "pid": os.getpid(), "run_id": "run-a"}  # fmt: skip
+    assert lock_mod.look(store, 3) == (json.loads(path.read_text()), True) and first.held()
+    deadline = time.monotonic() + 60
+    while json.loads(path.read_text())["beat"] < 3:  # the heartbeat rewrites it
+        assert time.monotonic() < deadline, "no heartbeat"
+        time.sleep(0.01)
+    assert lock_mod.run_alive(store, 3, "run-a") and not lock_mod.run_alive(store, 3, "run-b")
+    assert lock_mod.live_run_ids(store) == {"run-a"} and lock_mod.other_live_runs(store, 3) == []
+    assert [r["worker"] for r in lock_mod.other_live_runs(store, 4)] == [3]
+    with pytest.raises(LockHeld) as e:
+        lock_mod.RunLock(store, 3, "run-b").acquire()
+    started = json.loads(path.read_text())["started"]
+    assert e.value.exit_code == 4 and str(e.value) == (
+        f"another run is active on {store} (workers.index=3): host {socket.gethostname()}, pid {os.getpid()}, "
+        f"started {started}; wait for it to finish or stop it"
+    )
+    with lock_mod.RunLock(store, 4, "run-c"):  # another worker index: its own lock
+        assert lock_mod.live_run_ids(store) == {"run-a", "run-c"}
+    assert lock_mod.live_run_ids(store) == {"run-a"}
+    first.release()
+    assert path.read_bytes() == b"" and lock_mod.look(store, 3) == (None, False)
+    beats = path.stat().st_mtime_ns
+    time.sleep(0.05)
+    assert path.stat().st_mtime_ns == beats  # the heartbeat stopped with the release
+    with lock_mod.RunLock(store, 3, "run-b") as second:
+        assert json.loads(path.read_text())["run_id"] == "run-b" and second.held()

@@ -111,6 +111,7 @@ class RunLock:
         self._beats = 0  # each write differs from the last: what a watcher sees change
         self._fd: int | None = None
         self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def _refused(self, holder: dict | None) -> LockHeld:
         h = holder or {}
@@ -159,7 +160,8 @@ class RunLock:
             time.sleep(2)
             if (read_lock(self.store, self.index) or {}).get("run_id") != self.record["run_id"]:
                 raise self._refused(read_lock(self.store, self.index))
-        threading.Thread(target=self._heartbeat, daemon=True).start()
+        self._beating = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beating.start()
 
     def _write(self) -> None:
         if self._fd is not None:
@@ -200,6 +202,8 @@ class RunLock:
 
     def release(self) -> None:
         self._stop.set()
+        if self._beating is not None:  # a beat under way would write the record back after it is cleared
+            self._beating.join(timeout=2 * HEARTBEAT_S)
         if self._fd is not None:
             try:
                 os.ftruncate(self._fd, 0)
