@@ -723,3 +723,61 @@ def test_a_run_lock_on_disk_names_its_holder_beats_and_is_free_again_once_releas
     assert path.stat().st_mtime_ns == beats  # the heartbeat stopped with the release
     with lock_mod.RunLock(store, 3, "run-b") as second:
         assert json.loads(path.read_text())["run_id"] == "run-b" and second.held()
+
+
+@pytest.mark.parametrize("batches", [[10], [3, 5, 1, 1], [4, 4, 2], [1] * 10, [7, 3]])
+@pytest.mark.parametrize("limit", [None, 1, 4, 5, 9, 10, 11])
+def test_shards_are_cut_by_row_position_whatever_the_batches_and_dataset_limit_keeps_the_first_rows(
+    batches, limit, monkeypatch
+):
+    """DESIGN/rejected.py: shard i holds rows i*size ... (i+1)*size-1 of the source, wherever the reader's batches
+    end; dataset.limit keeps the first `limit` rows (a shard it cuts keeps its whole rows beside them), and no
+    shard starts at or past it."""
+    import pyarrow as pa
+
+    from launcher.ledger import plan as plan_mod
+
+    def read_batches(src):
+        start = 0
+        for n in batches:
+            yield pa.RecordBatch.from_pydict({"id": [str(i) for i in range(start, start + n)]})
+            start += n
+
+    monkeypatch.setattr(plan_mod, "read_batches", read_batches)
+    got = [(i, t["id"].to_pylist(), w["id"].to_pylist()) for i, t, w in plan_mod.shard_tables(None, 4, limit)]
+    shown = 10 if limit is None else min(limit, 10)
+    expected = []
+    for i in range(0, shown, 4):
+        whole = [str(k) for k in range(i, min(i + 4, 10))]
+        expected.append((i // 4, [k for k in whole if int(k) < shown], whole))
+    assert got == expected
+
+
+def test_a_shards_status_from_its_state_and_its_rows_now():
+    """done | failed | pending | stale (done, but its prompts changed) | grown (done, and rows were appended); a
+    shard done in full is done under a lower dataset.limit; run.stale=keep keeps exactly the prompts it kept."""
+    import pyarrow as pa
+
+    from launcher.ledger.plan import shard_status
+    from launcher.ledger.shards import prompts_fingerprint as fp
+
+    rows = lambda *ks: pa.table({"id": [f"r{k}" for k in ks], "prompt": [f"p{k}" for k in ks]})  # noqa: E731
+    done = lambda t, **kw: {"status": "done", "prompts_fingerprint": fp(t), "rows": t.num_rows, **kw}  # noqa: E731
+    four = rows(0, 1, 2, 3)
+    assert shard_status(None, four, four, fp(four)) == "pending"
+    assert shard_status({"status": "failed", "error": "x"}, four, four, fp(four)) == "failed"
+    assert shard_status(done(four), four, four, fp(four)) == "done"
+    edited = pa.table({"id": ["r0", "r1", "r2", "r3"], "prompt": ["p0", "p1", "CHANGED", "p3"]})
+    assert shard_status(done(four), edited, edited, fp(edited)) == "stale"
+    two = rows(0, 1)
+    assert shard_status(done(two), four, four, fp(four)) == "grown"  # two rows appended to a short last shard
+    assert shard_status(done(two), edited.slice(0, 3), edited.slice(0, 3), fp(edited.slice(0, 3))) == "grown"
+    assert shard_status(done(rows(0, 9)), four, four, fp(four)) == "stale"  # not a beginning of the rows now
+    # images_per_prompt=2: "rows" counts images, "prompts" the prompts
+    assert shard_status(done(two, rows=4, prompts=2), four, four, fp(four)) == "grown"
+    assert shard_status(done(four), four.slice(0, 3), four, fp(four.slice(0, 3))) == "done"  # limit cuts it
+    assert shard_status(done(four), two, rows(0, 1, 7, 8), fp(two)) == "stale"  # its whole rows changed
+    kept = {**done(four), "kept_fingerprint": fp(edited)}  # run.stale=keep kept it for the edited prompts
+    assert shard_status(kept, edited, edited, fp(edited)) == "done"
+    again = pa.table({"id": ["r0", "r1", "r2", "r3"], "prompt": ["p0", "p1", "CHANGED AGAIN", "p3"]})
+    assert shard_status(kept, again, again, fp(again)) == "stale"  # not for prompts changed since
