@@ -781,3 +781,52 @@ def test_a_shards_status_from_its_state_and_its_rows_now():
     assert shard_status(kept, edited, edited, fp(edited)) == "done"
     again = pa.table({"id": ["r0", "r1", "r2", "r3"], "prompt": ["p0", "p1", "CHANGED AGAIN", "p3"]})
     assert shard_status(kept, again, again, fp(again)) == "stale"  # not for prompts changed since
+
+
+def test_the_exact_reader_names_a_bad_rows_place_what_is_wrong_and_the_fix():
+    """DESIGN, bad rows: refused at planning naming the row; per-row height and width are checked against the
+    model's size factor and pixel limit (a row giving one of the two takes the other from the config)."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts import SizeRule, Source
+    from launcher.ledger.prompts_exact import _exact_row
+
+    sizes = SizeRule(multiple=16, max_pixels=1024 * 1024, height=512, width=256)
+    src = Source("d.jsonl", id_column="uid", sizes=sizes)
+    at = "dataset d.jsonl, line 4"
+
+    def refusal(row, source=src):
+        with pytest.raises(ConfigError) as e:
+            _exact_row(at, row, 3, source)
+        return str(e.value)
+
+    assert _exact_row(at, {"uid": "a", "prompt": "p", "width": 512}, 3, src) == {"id": "a", "prompt": "p", "width": 512}
+    assert _exact_row(at, {"prompt": "p", "seed": 7}, 3, Source("d.txt")) == {"id": "3", "prompt": "p", "seed": 7}
+    assert refusal({"uid": "a", "text": "p", "n": 1}) == (
+        f"{at} has no prompt column 'prompt' (dataset.prompt_column); columns found: uid, text, n"
+    )
+    assert refusal({}) == f"{at} has no prompt column 'prompt' (dataset.prompt_column); columns found: none"
+    assert refusal({"prompt": 5, "uid": "a"}) == f"{at}: the prompt ('prompt') is of type int, not text; fix that row"
+    assert refusal({"prompt": "x" * (64 * 1024 + 1), "uid": "a"}).startswith(f"{at}: the prompt ('prompt') is ")
+    assert refusal({"prompt": "p", "id": "a"}) == (
+        f"{at} has no id column 'uid' (dataset.id_column); columns found: prompt, id; fix the row or set "
+        "dataset.id_column=null"
+    )
+    assert refusal({"prompt": "p", "uid": None}) == (
+        f"{at}: the id ('uid') is missing (null); give the row an id or remove the row"
+    )
+    assert refusal({"prompt": "p", "uid": ""}).startswith(f"{at}: ")
+    assert refusal({"prompt": "p", "uid": "a", "height": 520}) == (
+        f"{at}: height 520 is not a multiple of 16 (this model's size factor); use e.g. 512 (or leave the row's "
+        "height and width empty)"
+    )
+    assert refusal({"prompt": "p", "uid": "a", "width": 8}) == (
+        f"{at}: width 8 is not a multiple of 16 (this model's size factor); use e.g. 16 (or leave the row's height "
+        "and width empty)"
+    )
+    # 2048 wide at the config's height 512: 1.0 megapixels, fine; 4096 wide: 2.0, over the limit
+    assert _exact_row(at, {"prompt": "p", "uid": "a", "width": 2048}, 3, src)["width"] == 2048
+    assert refusal({"prompt": "p", "uid": "a", "width": 4096}) == (
+        f"{at}: 4096x512 is 2.0 megapixels, more than the 1.0 this model family allows; use a smaller size (or "
+        "leave the row's height and width empty)"
+    )
+    assert _exact_row(at, {"prompt": "p", "uid": "a", "height": 4096}, 3, src)["height"] == 4096  # 1.0: at it
