@@ -830,3 +830,43 @@ def test_the_exact_reader_names_a_bad_rows_place_what_is_wrong_and_the_fix():
         "leave the row's height and width empty)"
     )
     assert _exact_row(at, {"prompt": "p", "uid": "a", "height": 4096}, 3, src)["height"] == 4096  # 1.0: at it
+
+
+def test_the_csv_reader_numbers_each_record_by_its_line_and_names_what_is_wrong(tmp_path):
+    """A CSV source: a header, then one record per line (a quoted field may span lines: the record is named by its
+    first line); a blank line is no row; a record with another number of fields, or a line that is not UTF-8, is
+    a bad row at its own line; an empty cell of a per-row setting is no value. Read from an old end, the lines go
+    on being numbered from there, under the file's header."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts_raw import _csv
+    from launcher.ledger.row_checks import Bad
+
+    f = tmp_path / "p.csv"
+    body = b'prompt,seed\n"a cat",1\n\n"two\nlines",\nx,y,z\n\xff\xfe,3\n"q\n\xff",4\nlast,5\n'
+    f.write_bytes(body)
+    got = [(w, r.reason if isinstance(r, Bad) else r) for w, r in _csv(str(f), "prompt")]
+    where = lambda n: f"dataset {f}, line {n}"  # noqa: E731
+    assert got == [
+        (where(2), {"prompt": "a cat", "seed": "1"}),
+        (where(4), {"prompt": "two\nlines", "seed": None}),
+        (where(6), "expected 2 fields (prompt, seed), got 3; fix that line (quote fields that hold commas)"),
+        (where(7), "not UTF-8 text (invalid start byte at byte 0); save the file as UTF-8"),
+        (where(9), "not UTF-8 text (invalid start byte at byte 0); save the file as UTF-8"),  # inside a record
+        (where(10), {"prompt": "last", "seed": "5"}),
+    ]
+    old_end = body.index(b"last")
+    assert [w for w, _ in _csv(str(f), "prompt", old_end)] == [where(10)]
+    assert list(_csv(str(f), "prompt", len(body))) == []  # nothing after the old end
+
+    f.write_bytes(b"text,seed\nhello,1\n")
+    with pytest.raises(ConfigError) as e:
+        list(_csv(str(f), "prompt"))
+    assert str(e.value) == (
+        f"dataset {f} has no prompt column 'prompt' (dataset.prompt_column); columns found: text, seed"
+    )
+    f.write_bytes(b"prompt,\xffseed\nhello,1\n")
+    with pytest.raises(ConfigError) as e:
+        list(_csv(str(f), "prompt"))
+    assert str(e.value) == f"dataset {f}, line 1: not UTF-8 text (invalid start byte at byte 7); save the file as UTF-8"
+    f.write_bytes(b"")
+    assert list(_csv(str(f), "prompt")) == []

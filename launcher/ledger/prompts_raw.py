@@ -81,7 +81,8 @@ def _lines(f: str, offset: int = 0) -> Iterator[tuple[int, str | Bad]]:
             text = part.decode("utf-8")
         except UnicodeDecodeError as e:
             n += 1
-            yield n, Bad(f"not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8")
+            reason = f"not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8"
+            yield n, Bad(reason, part.decode("utf-8", "replace"))
             continue
         if n == 0:
             text = text.removeprefix("\ufeff")  # spreadsheet exports often start with a byte-order mark
@@ -142,9 +143,9 @@ def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
 
     def texts(lines):
         for n, line in lines:
-            if isinstance(line, Bad):
+            if isinstance(line, Bad):  # the record it is in is bad; its quotes still say where that record ends
                 bad[n] = line.reason
-                line = ""
+                line = line.text
             yield line + "\n"
 
     reader = csv.reader(texts(_lines(f)))
@@ -165,7 +166,7 @@ def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
         first = next(lines, None)
         if first is None:
             return
-        base = first[0] - 1
+        base = last = first[0] - 1
         reader = csv.reader(texts(itertools.chain([first], lines)))
     while True:
         try:
@@ -174,8 +175,8 @@ def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
             values = Bad(f"malformed CSV ({e}); fix that line")
         if values is None:
             return
-        line = base + reader.line_num
-        where = f"dataset {f}, line {line}"
+        line = base + reader.line_num  # the record's last line: a quoted field may span lines
+        where = f"dataset {f}, line {last + 1}"  # named by its first
         span = [n for n in bad if last < n <= line]  # the record's lines, one of them no text
         last = line
         if span:

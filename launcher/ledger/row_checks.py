@@ -49,7 +49,8 @@ class Bad:
     """A row that cannot be read as a row (malformed, not UTF-8, too long): the reader's placeholder for it, so
     that the rows after it keep their positions."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "text")
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, text: str = ""):
         self.reason = reason
+        self.text = text  # what a CSV reader reads in its place: a line not UTF-8 keeps its quotes and commas
