@@ -870,3 +870,43 @@ def test_the_csv_reader_numbers_each_record_by_its_line_and_names_what_is_wrong(
     assert str(e.value) == f"dataset {f}, line 1: not UTF-8 text (invalid start byte at byte 7); save the file as UTF-8"
     f.write_bytes(b"")
     assert list(_csv(str(f), "prompt")) == []
+
+
+@pytest.mark.parametrize(
+    "sweep, says",
+    [
+        ({"num_inference_steps": [1, 1000, 4.0]}, None),  # DESIGN's bounds, at their edges; 4.0 is whole
+        ({"num_inference_steps": [0]}, "generate.sweep.num_inference_steps: value 0 must be in 1..1000"),
+        ({"num_inference_steps": [1001]}, "generate.sweep.num_inference_steps: value 1001 must be in 1..1000"),
+        ({"num_inference_steps": [2.5]}, "generate.sweep.num_inference_steps: value 2.5 is not a whole number"),
+        ({"height": [16, 4096]}, None),  # sizes: the family's limits are checked with the model
+        ({"width": [0]}, "generate.sweep.width: value 0 must be at least 1"),
+        ({"guidance_scale": [0, 100, 0.5]}, None),
+        ({"guidance_scale": [-0.5]}, "generate.sweep.guidance_scale: value -0.5 must be in 0..100"),
+        ({"true_cfg_scale": [100.5]}, "generate.sweep.true_cfg_scale: value 100.5 must be in 0..100"),
+        ({"guidance_scale": [float("inf")]}, "generate.sweep.guidance_scale: value inf is not a finite number"),
+        ({"guidance_scale": [True]}, "generate.sweep.guidance_scale: value True is not a number"),
+        ({"height": ["512"]}, "generate.sweep.height: value '512' is not a number"),
+        ({"lora_scale.0": [-100, 100, 0]}, None),
+        ({"lora_scale.0": [-100.5]}, "generate.sweep.lora_scale.0: value -100.5 must be in -100..100"),
+        ({"lora_scale.1": [1.0]}, "generate.sweep.lora_scale.1: model.loras has no entry 1 (1 LoRAs configured)"),
+        ({"guidance_scale": [2, 2.0]}, "generate.sweep.guidance_scale: value 2.0 is listed twice"),
+        ({"guidance_scale": []}, "generate.sweep.guidance_scale=[] must be a non-empty list of values"),
+        ({"seed": [1]}, "generate.sweep.seed: unknown sweep key; sweep one of guidance_scale, num_inference_steps"),
+        ([1, 2], "generate.sweep=[1, 2] must map keys to lists"),
+    ],
+)
+def test_a_sweep_is_checked_key_by_key_against_the_configs_bounds(sweep, says):
+    """DESIGN: every value bounded; a sweep's values have the bounds of the config value they set (exit 2 naming
+    the key and the value)."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.sweep import check_sweep
+
+    gen = {"sweep": sweep}
+    loras = [{"path": "a.safetensors", "scale": 1.0}]
+    if says is None:
+        check_sweep(gen, loras)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_sweep(gen, loras)
+    assert str(e.value).startswith(says), str(e.value)
