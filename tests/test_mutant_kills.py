@@ -910,3 +910,45 @@ def test_a_sweep_is_checked_key_by_key_against_the_configs_bounds(sweep, says):
     with pytest.raises(ConfigError) as e:
         check_sweep(gen, loras)
     assert str(e.value).startswith(says), str(e.value)
+
+
+def test_credentials_anywhere_in_the_config_are_refused_naming_the_key_with_the_secret_masked(monkeypatch):
+    """launcher/ledger/addresses.py: an address with user information or a credential query value, at any depth
+    of the composed config (a list item included) or in an S3 endpoint of the environment, is exit 2 naming where
+    it is, the secret masked; a Hub address only where something reads it."""
+    from omegaconf import OmegaConf
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.addresses import WHERE, check_config
+
+    def refusal(cfg: dict) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_config(OmegaConf.create(cfg))
+        return str(e.value)
+
+    check_config(OmegaConf.create({"output": {"dir": "s3://b/run"}, "model": {"loras": [{"path": "a/b"}]}}))
+    assert refusal({"output": {"dir": "s3://KEY:SECRET@b/run"}}) == (
+        f"output.dir=s3://***@b/run carries credentials in its address; remove them from it and {WHERE}"
+    )
+    assert refusal({"model": {"loras": [{"path": "ok"}, {"path": "https://u:pw@host/x.safetensors"}]}}) == (
+        f"model.loras[1].path=https://***@host/x.safetensors carries credentials in its address; remove them from "
+        f"it and {WHERE}"
+    )
+    assert refusal({"dataset": {"path": "s3://b/p.txt?region=x&secret_key=abc123"}}).startswith(
+        "dataset.path=s3://b/p.txt?region=x&secret_key=*** carries credentials"
+    )
+    assert refusal({"output": {"dir": "hf://datasets/o/n"}}) == (
+        "output.dir=hf://datasets/o/n: a Hub address is not read or written here; a run folder is a local path, "
+        "gs:// or s3://; push its dataset to the Hub with output.publish=hf://datasets/ORG/NAME or tools/publish"
+    )
+    assert refusal({"model": {"path": "hf://o/n"}}) == (
+        "model.path=hf://o/n: a Hub address is not read or written here; give the Hub's id as ORG/NAME, without hf://"
+    )
+    check_config(
+        OmegaConf.create({"dataset": {"path": "hf://datasets/o/n"}, "output": {"publish": "hf://datasets/o/m"}})
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://user1:pass1@127.0.0.1:9000")
+    assert refusal({"output": {"dir": "s3://b/run"}}) == (
+        f"AWS_ENDPOINT_URL_S3=http://***@127.0.0.1:9000 carries credentials in its address; remove them from it "
+        f"and {WHERE}"
+    )
