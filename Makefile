@@ -31,9 +31,13 @@ demo: venv
 # launch costs more CPU the more run beside it (one tiny job alone 9.2 CPU-s, 10.0 with 2 at once, 11.2 with 4, 12.2
 # with 6), so 4 workers spent 22-23 CPU-minutes where 2 spend 19 and finish sooner despite a core idle while a
 # test waits on a stopped job.
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) no process writes the project's
+# bytecode, so each of the suite's ~500 interpreters compiled every module it imported: 0.9 of a tiny job's
+# 9.8 CPU-s (`python -m tools.bench.jobcost --repeats 4`: 8.9 with the bytecode written once here).
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m compileall -q launcher jobs tools
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # Mutation checks of each room (ledger, host, worker, jobs; pyproject's [tool.mutmut] and tools/mutants.py): every
