@@ -952,3 +952,65 @@ def test_credentials_anywhere_in_the_config_are_refused_naming_the_key_with_the_
         f"AWS_ENDPOINT_URL_S3=http://***@127.0.0.1:9000 carries credentials in its address; remove them from it "
         f"and {WHERE}"
     )
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_kept_columns_are_attached_row_for_row_across_files_and_read_chunks(tmp_path, monkeypatch, suffix):
+    """DESIGN, dataset.keep_columns: source columns carried into every output with their types. They are read in
+    a pass of their own, in chunks: each prompt batch gets exactly its own rows' values, wherever a file or a
+    chunk ends inside it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.ledger import keep
+    from launcher.ledger.prompts import Source
+
+    monkeypatch.setattr(keep, "_READ_ROWS", 3)
+    files, k = [], 0
+    for name, n in (("a", 7), ("b", 5)):
+        rows = [{"prompt": f"p{k + i}", "cat": f"c{k + i}", "n": k + i} for i in range(n)]
+        f = tmp_path / f"{name}.{suffix}"
+        if suffix == "parquet":
+            pq.write_table(pa.Table.from_pylist(rows), f)
+        else:
+            f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.append(str(f))
+        k += n
+    src = Source(f"{tmp_path}/*.{suffix}", keep_columns=("n", "cat"))
+    kept = keep.Kept(src, files)
+    assert [(x.name, x.type) for x in kept.fields] == [("n", pa.int64()), ("cat", pa.string())]
+    got, at = [], 0
+    for size in (4, 4, 0, 1, 3):  # 12 rows: batches that end inside files and chunks, and an empty one
+        batch = pa.RecordBatch.from_pydict({"id": [str(i) for i in range(at, at + size)]})
+        out = kept.attach(batch)
+        assert out.schema.names == ["id", "n", "cat"] and out.num_rows == size
+        got += out.to_pylist()
+        at += size
+    assert got == [{"id": str(i), "n": i, "cat": f"c{i}"} for i in range(12)]
+
+
+def test_kept_columns_that_do_not_fit_the_first_files_types_or_are_missing_are_named(tmp_path):
+    import pyarrow as pa
+
+    from launcher.errors import ConfigError
+    from launcher.ledger import keep
+    from launcher.ledger.prompts import Source
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "x", "n": 1}\n')
+    b.write_text('{"prompt": "y", "n": "many"}\n')
+    src = Source(f"{tmp_path}/*.jsonl", keep_columns=("n",))
+    kept = keep.Kept(src, [str(a), str(b)])
+    kept.attach(pa.RecordBatch.from_pydict({"id": ["0"]}))
+    with pytest.raises(ConfigError) as e:
+        kept.attach(pa.RecordBatch.from_pydict({"id": ["1"]}))
+    assert str(e.value).startswith(
+        f"dataset.keep_columns: {b} holds values that are not of the first file's types (n: int64): "
+    )
+    with pytest.raises(ConfigError) as e:
+        keep.kept_fields(Source(str(a), keep_columns=("city",)), (str(a),))
+    assert str(e.value) == f"dataset.keep_columns: {a} has no column 'city'; columns found: prompt, n"
+    with pytest.raises(ConfigError) as e:
+        keep.kept_names(Source(str(a), keep_columns="n"), [str(a)])
+    assert str(e.value) == "dataset.keep_columns='n': give a list of column names, or all"
+    assert keep.kept_names(Source(str(a), keep_columns="all"), [str(a)]) == ("n",)
