@@ -1014,3 +1014,64 @@ def test_kept_columns_that_do_not_fit_the_first_files_types_or_are_missing_are_n
         keep.kept_names(Source(str(a), keep_columns="n"), [str(a)])
     assert str(e.value) == "dataset.keep_columns='n': give a list of column names, or all"
     assert keep.kept_names(Source(str(a), keep_columns="all"), [str(a)]) == ("n",)
+
+
+def _png(path, w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 20, 30)).save(buf, format="PNG")
+    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_bounds(tmp_path, monkeypatch):
+    """launcher/ledger/reference_checks.py: a reference is an image, not cut short, within the family's pixels,
+    at least 64 px a side and at most 8:1 (diffusers' edit pipelines' own bounds), and read within a size bound;
+    each failure is one line naming the row, the file and the fix. Its hash is the sha256 of all its bytes."""
+    from launcher.errors import ConfigError
+    from launcher.ledger import reference_checks as rc
+
+    monkeypatch.setattr(rc, "_CHUNK", 100)  # several chunks per file
+    at, mp = "dataset d.jsonl, line 3", 1 << 20
+
+    def refusal(path, max_pixels=mp):
+        with pytest.raises(ConfigError) as e:
+            rc.hash_file(str(path), at, max_pixels)
+        return str(e.value)
+
+    ok = tmp_path / "ok.png"
+    data = _png(ok, 64, 512)  # 8:1 and 64 px: at both bounds
+    assert rc.hash_file(str(ok), at, mp) == (hashlib.sha256(data).hexdigest(), (64, 512))
+    assert refusal(ok, 64 * 511) == (
+        f"{at}: reference {ok} is 64x512 (0.0 megapixels), more than the 0.0 this model family takes; downscale it"
+    )
+    assert refusal(tmp_path / "gone.png") == (
+        f"{at}: reference {tmp_path / 'gone.png'} does not exist; fix the path (relative paths start at the source "
+        "file's folder)"
+    )
+    small = tmp_path / "small.png"
+    _png(small, 63, 100)
+    assert refusal(small) == (
+        f"{at}: reference {small} is 63x100; the edit pipelines take images of at least 64 px a side and at most "
+        "8:1; use a larger image or crop it"
+    )
+    thin = tmp_path / "thin.png"
+    _png(thin, 64, 513)
+    assert refusal(thin).startswith(f"{at}: reference {thin} is 64x513; the edit pipelines take")
+    text = tmp_path / "text.png"
+    text.write_text("not an image")
+    assert refusal(text).startswith(f"{at}: reference {text} is not an image (")
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(data[: len(data) - 30])  # its header and part of its pixels
+    assert refusal(cut).startswith(f"{at}: reference {cut} is damaged or cut short (")
+    monkeypatch.setattr(rc, "MAX_BYTES", len(data) - 1)
+    assert refusal(ok) == (
+        f"{at}: reference {ok} is larger than 0 MiB, more than an image within this family's 1.0 megapixels needs; "
+        "use a smaller file"
+    )
+    rc.check_output_size(at, 64, 512, None)
+    with pytest.raises(ConfigError) as e:
+        rc.check_output_size(at, 512, 63, None)
+    assert str(e.value) == (
+        f"{at}: the edit pipeline takes references at the output size, 63x512 here, which must be at least 64 px a "
+        "side and at most 8:1; use such a height and width"
+    )
