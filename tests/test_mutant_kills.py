@@ -1075,3 +1075,49 @@ def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_boun
         f"{at}: the edit pipeline takes references at the output size, 63x512 here, which must be at least 64 px a "
         "side and at most 8:1; use such a height and width"
     )
+
+
+def test_a_lock_objects_holder_is_judged_by_the_watchers_own_clock_and_the_stores(tmp_path, monkeypatch):
+    """launcher/ledger/liveness.py: a first look ages a lock by the store's clock (its LastModified against a probe
+    written now); later looks by the watcher's monotonic clock since the bytes last changed; a rewrite is life; a
+    holder that is a dead process of this machine is dead at once; no record, or an unreadable one, is no holder."""
+    import os
+    import time
+
+    from launcher.ledger import liveness
+    from launcher.ledger.store import Store
+
+    store, rel = Store(tmp_path), "locks/worker-00000.json"
+    clock = [1000.0]
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(liveness, "_seen", {})
+    record = {"host": "h", "pid": 12345, "run_id": "r", "beat": 1}  # another machine's process: not judged by pid
+    store.write_bytes(rel, json.dumps(record).encode())
+    assert liveness.watch(store, rel, 60) == (record, True)  # written just now by the store's clock
+    clock[0] += 59
+    assert liveness.watch(store, rel, 60)[1] is True
+    clock[0] += 2  # 61 s of the watcher's clock without a change
+    assert liveness.watch(store, rel, 60) == (record, False)
+    record["beat"] = 2
+    store.write_bytes(rel, json.dumps(record).encode())
+    assert liveness.watch(store, rel, 60) == (record, True)  # rewritten: alive, watched from now
+    clock[0] += 61
+    assert liveness.watch(store, rel, 60)[1] is False
+
+    monkeypatch.setattr(liveness, "_seen", {})  # a first look at a lock last written 120 s ago by the store's clock
+    old = time.time() - 120
+    os.utime(tmp_path / rel, (old, old))
+    assert liveness.watch(store, rel, 60) == (record, False)
+    assert liveness.watch(store, rel, 600) == (record, True)
+
+    monkeypatch.setattr(liveness, "_seen", {})
+    dead = {**record, "pid": 2**22 + 7, "pid_space": liveness.PID_SPACE}  # this machine's, not running
+    store.write_bytes(rel, json.dumps(dead).encode())
+    assert liveness.watch(store, rel, 60) == (dead, False)
+    mine = {**record, "pid": os.getpid(), "pid_space": liveness.PID_SPACE}
+    store.write_bytes(rel, json.dumps(mine).encode())
+    assert liveness.watch(store, rel, 60) == (mine, True)
+    store.write_bytes(rel, b"{not json")
+    assert liveness.watch(store, rel, 60) == (None, False)
+    store.delete(rel)
+    assert liveness.watch(store, rel, 60) == (None, False)
