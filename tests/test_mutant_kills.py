@@ -1121,3 +1121,59 @@ def test_a_lock_objects_holder_is_judged_by_the_watchers_own_clock_and_the_store
     assert liveness.watch(store, rel, 60) == (None, False)
     store.delete(rel)
     assert liveness.watch(store, rel, 60) == (None, False)
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"{not json", "not JSON: "),
+        (b"\xff\xfe", "not JSON: "),
+        (b"[1, 2]", "no fingerprint and settings"),
+        (b'{"fingerprint": 5, "settings": {}}', "no fingerprint and settings"),
+        (b'{"fingerprint": "ab", "settings": []}', "no fingerprint and settings"),
+        (b'{"settings": {}}', "no fingerprint and settings"),
+    ],
+)
+def test_a_run_json_meshgen_did_not_write_keeps_the_folder_from_being_taken_as_a_run(tmp_path, content, why):
+    """A folder whose run.json is not meshgen's (a project's own file of that name) is refused naming why: a resume
+    would crash on it and run.overwrite would delete the folder's files. An empty folder, or files only in the
+    folders a run makes first, are a new run's; a folder with another file is not meshgen's."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_ours, read_run_json
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    (tmp_path / "run.json").write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        check_ours(store)
+    message = str(e.value)
+    assert message.startswith(f"output.dir {store} holds a run.json that meshgen did not write ({why}")
+    assert message.endswith(
+        "); choose an empty or new folder (or remove that run.json if the folder is a meshgen run's)"
+    )
+    (tmp_path / "run.json").write_text('{"fingerprint": "ab", "settings": {}}')
+    assert read_run_json(store) == {"fingerprint": "ab", "settings": {}}
+    check_ours(store)
+
+
+def test_a_folder_that_is_not_meshgens_is_refused_naming_three_of_its_entries(tmp_path):
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_ours
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    check_ours(store)  # empty
+    for early in ("locks", "claims", "plans", "logs", "runs", "state"):
+        (tmp_path / early).mkdir()
+    (tmp_path / "locks" / "worker-00000.lock").write_text("")
+    (tmp_path / "mnt").mkdir()  # an empty folder (a mount point made for the run) holds nothing a run changes
+    check_ours(store)
+    for name in ("README.md", "a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "mnt" / "deep").mkdir()
+    with pytest.raises(ConfigError) as e:
+        check_ours(store)
+    assert str(e.value) == (
+        f"output.dir {store} is not empty and is not a meshgen folder (no run.json; it holds README.md, a.txt, "
+        "b.txt and 1 more); choose an empty or new folder"
+    )
