@@ -1177,3 +1177,39 @@ def test_a_folder_that_is_not_meshgens_is_refused_naming_three_of_its_entries(tm
         f"output.dir {store} is not empty and is not a meshgen folder (no run.json; it holds README.md, a.txt, "
         "b.txt and 1 more); choose an empty or new folder"
     )
+
+
+def test_a_stale_shards_changed_ids_are_read_from_its_parquet_and_a_shift_is_told(tmp_path):
+    """The stale refusal names the samples whose prompts changed, were added or removed, read from the done
+    shard's Parquet (prompt_id where a prompt has several samples); when most changed prompts are still there under
+    other ids, the rows look shifted; an edit job's changed reference images are named by path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.stale import changed_ids
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    (tmp_path / "data").mkdir()
+    rows = lambda ids, prompts: pa.table({"id": ids, "prompt": prompts})  # noqa: E731
+    assert changed_ids(store, 2, rows(["0"], ["a"])) == ([], False, [])  # no data file: nothing to compare
+    assert changed_ids(None, 2, rows(["0"], ["a"])) == ([], False, [])
+    samples = pa.table({"id": ["4-0", "4-1", "5-0", "5-1", "6-0", "6-1", "7-0", "7-1"],
+                        "prompt_id": ["4", "4", "5", "5", "6", "6", "7", "7"],
+                        "prompt": ["a", "a", "b", "b", "c", "c", "d", "d"]})  # fmt: skip
+    pq.write_table(samples, tmp_path / "data" / "shard-00001.parquet")
+    assert changed_ids(store, 1, rows(["4", "5", "6", "7"], ["a", "B", "c", "d"])) == (["5"], False, [])
+    assert changed_ids(store, 1, rows(["4", "5", "6"], ["a", "b", "c"])) == (["7"], False, [])  # removed
+    assert changed_ids(store, 1, rows(["4", "5", "6", "7", "8"], list("abcde"))) == (["8"], False, [])  # added
+    shifted = changed_ids(store, 1, rows(["4", "5", "6", "7"], ["new", "a", "b", "c"]))  # a line inserted above
+    assert shifted == (["4", "5", "6", "7"], True, [])
+    assert changed_ids(store, 1, rows(["4", "5", "6", "7"], ["x", "y", "c", "d"]))[1] is False  # edits, no shift
+
+    ref = lambda path, sha: {"path": path, "sha256": sha}  # noqa: E731
+    refs = [[ref("a.png", "s1")], [ref("b.png", "s2"), ref("c.png", "s3")]]
+    edit = pa.table({"id": ["0", "1"], "prompt": ["p", "q"], "reference": refs})
+    pq.write_table(edit, tmp_path / "data" / "shard-00000.parquet")
+    now = pa.table({"id": ["0", "1"], "prompt": ["p", "q"], "ref_sha256": ["s1", "s2 sX"]})
+    assert changed_ids(store, 0, now) == (["1"], False, ["c.png"])
+    now = pa.table({"id": ["0", "1"], "prompt": ["p", "Q"], "ref_sha256": ["s1", "s2 sX"]})
+    assert changed_ids(store, 0, now) == (["1"], False, [])  # its prompt changed: the row is named, not its images
