@@ -1213,3 +1213,51 @@ def test_a_stale_shards_changed_ids_are_read_from_its_parquet_and_a_shift_is_tol
     assert changed_ids(store, 0, now) == (["1"], False, ["c.png"])
     now = pa.table({"id": ["0", "1"], "prompt": ["p", "Q"], "ref_sha256": ["s1", "s2 sX"]})
     assert changed_ids(store, 0, now) == (["1"], False, [])  # its prompt changed: the row is named, not its images
+
+
+def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_stay(tmp_path, monkeypatch):
+    """launcher/ledger/states.py clean_tmp: a temporary name carries its writer's host and pid. This host's
+    leftovers go when their pid is dead; another host's (a folder shared over NFS) only once unchanged for the
+    lock's STALE_S by the store's clock; only the asked shard's, or every shard's; files and image folders."""
+    import os
+    import time
+
+    from launcher.ledger.lock import STALE_S
+    from launcher.ledger.states import clean_tmp
+    from launcher.ledger.store import HOST, Store
+
+    store = Store(tmp_path)
+    dead_pid = 2**22 + 11  # above Linux's pid_max: never a live process
+    names = {
+        "data/.shard-00001.parquet.tmp-{h}-{p}": (HOST, dead_pid),
+        "state/.shard-00001.json.tmp-{h}-{p}": (HOST, os.getpid()),  # alive: this test
+        "images/.shard-00001.tmp-{h}-{p}": (HOST, dead_pid),  # an uncommitted image folder
+        "webdataset/.shard-00002.tar.tmp-{h}-{p}": (HOST, dead_pid),  # another shard
+        "data/.shard-00001.parquet.tmp-{h}-{p}x": ("other-node", 5),  # another host's, recent
+        "data/.shard-00001.parquet.tmp-{h}-{p}y": ("old-node", 5),  # another host's, old
+        "data/.shard-00001.parquet.tmp-{p}": ("", dead_pid),  # a name from before hosts were in it
+    }
+    paths = {}
+    for pattern, (h, p) in names.items():
+        path = tmp_path / pattern.format(h=h, p=p).replace("tmp--", "tmp-")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if "images/" in pattern:
+            path.mkdir()
+            (path / "a.png").write_bytes(b"x")
+        else:
+            path.write_bytes(b"x")
+        paths[pattern] = path
+    old = time.time() - STALE_S - 30
+    os.utime(paths["data/.shard-00001.parquet.tmp-{h}-{p}y"], (old, old))
+    clean_tmp(store, 1)
+    left = {k for k, p in paths.items() if p.exists()}
+    assert left == {
+        "state/.shard-00001.json.tmp-{h}-{p}",
+        "webdataset/.shard-00002.tar.tmp-{h}-{p}",  # not shard 1's
+        "data/.shard-00001.parquet.tmp-{h}-{p}x",
+    }
+    clean_tmp(store)  # every shard's
+    assert {k for k, p in paths.items() if p.exists()} == {
+        "state/.shard-00001.json.tmp-{h}-{p}",
+        "data/.shard-00001.parquet.tmp-{h}-{p}x",
+    }
