@@ -1261,3 +1261,45 @@ def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_
         "state/.shard-00001.json.tmp-{h}-{p}",
         "data/.shard-00001.parquet.tmp-{h}-{p}x",
     }
+
+
+FAST_CASES = {  # (suffix, bytes, whether the fast reader must read it itself)
+    "plain txt": ("txt", "".join(f"prompt {i}\n" for i in range(7)).encode(), True),
+    "txt, CRLF, BOM, blank lines": ("txt", b"\xef\xbb\xbfa\r\n\r\nb\rc\n  \nd", True),
+    "txt with a tab and U+2028": ("txt", "a\tb\nc\u2028d\n".encode(), None),
+    "plain csv": ("csv", b"prompt,seed\n" + b"".join(b"p%d,%d\n" % (i, i) for i in range(7)), True),
+    "csv, quoted newline and comma": ("csv", b'prompt,seed\n"a,\nb",1\nc,\n', None),
+    "csv, empty cells": ("csv", b"prompt,seed,negative_prompt\nx,,\ny,3,no\n", None),
+    "csv, bad int": ("csv", b"prompt,seed\nx,1.5\n", False),
+    "plain jsonl": ("jsonl", b"".join(b'{"prompt": "p%d", "seed": %d}\n' % (i, i) for i in range(7)), True),
+    "jsonl, nulls and floats": (
+        "jsonl",
+        b'{"prompt": "a", "guidance_scale": 3}\n{"prompt": "b", "seed": null}\n',
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_the_fast_reader_yields_what_the_exact_reader_does_or_gives_up(case, tmp_path, monkeypatch):
+    """launcher/ledger/prompts_fast.py: it yields exactly the rows the exact reader would, batch boundaries
+    anywhere, or gives up; a plain file it reads itself."""
+    from launcher.ledger import prompts, prompts_fast
+    from launcher.ledger.prompts import Source, _GiveUp
+
+    monkeypatch.setattr(prompts_fast, "BATCH_ROWS", 3)
+    suffix, data, fast_reads = FAST_CASES[case]
+    f = tmp_path / f"p.{suffix}"
+    f.write_bytes(data)
+    src = Source(str(f))
+    try:
+        batches = list(prompts_fast.fast_batches(str(f), src, 10))
+    except _GiveUp:
+        assert fast_reads is not True, f"{case}: the fast reader gave up on a plain file"
+        return
+    assert fast_reads is not False, f"{case}: the fast reader read what it cannot judge"
+    exact = [{k: v for k, v in r.items() if v is not None} for r in prompts._exact_rows(str(f), src, 10)]
+    fast = [{k: v for k, v in r.items() if v is not None} for b in batches for r in b.to_pylist()]
+    assert fast == exact
+    if suffix == "txt":  # read in chunks of BATCH_ROWS lines (CSV and JSON lines in pyarrow's blocks)
+        assert [b.num_rows for b in batches] == [3] * (len(exact) // 3) + ([len(exact) % 3] if len(exact) % 3 else [])
