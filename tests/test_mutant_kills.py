@@ -1303,3 +1303,27 @@ def test_the_fast_reader_yields_what_the_exact_reader_does_or_gives_up(case, tmp
     assert fast == exact
     if suffix == "txt":  # read in chunks of BATCH_ROWS lines (CSV and JSON lines in pyarrow's blocks)
         assert [b.num_rows for b in batches] == [3] * (len(exact) // 3) + ([len(exact) % 3] if len(exact) % 3 else [])
+
+
+def test_an_old_maps_rows_are_found_by_id_once_each():
+    """launcher/ledger/idplan.py: each id read now is found in its file's old map by its hash and its name; one
+    read twice is found once (the second is a duplicate), one matched before is not found again, and an id the
+    map lacks, or one whose hash another id has, is not found."""
+    import numpy as np
+    import pyarrow as pa
+
+    from launcher.ledger.idplan import _Own
+
+    table = pa.table({"id": ["x", "y", "z"], "h": pa.array([30, 10, 20], pa.uint64()), "fp": [1, 2, 3],
+                      "shard": [0, 0, 1], "pos": [0, 1, 0]})  # fmt: skip
+    own = _Own(table)
+    h = lambda *v: np.array(v, np.uint64)  # noqa: E731
+    found = own.find(pa.array(["y", "q", "x", "y", "w"]), h(10, 99, 30, 10, 20))  # w: z's hash, another name
+    assert found.tolist() == [1, -1, 0, -1, -1]
+    assert own.find(pa.array(["z", "z"]), h(20, 20)).tolist() == [2, -1]
+    own.matched[2] = True
+    assert own.find(pa.array(["z"]), h(20)).tolist() == [-1]
+    assert own.find(pa.array(["big"]), h(2**64 - 1)).tolist() == [-1]  # past the largest hash
+    assert _Own(table.slice(0, 0)).find(pa.array(["x"]), h(30)).tolist() == [-1]
+    assert own.unmatched().column_names == ["id", "h", "fp", "shard", "pos"]
+    assert own.unmatched()["id"].to_pylist() == ["x", "y"]
