@@ -1327,3 +1327,17 @@ def test_an_old_maps_rows_are_found_by_id_once_each():
     assert _Own(table.slice(0, 0)).find(pa.array(["x"]), h(30)).tolist() == [-1]
     assert own.unmatched().column_names == ["id", "h", "fp", "shard", "pos"]
     assert own.unmatched()["id"].to_pylist() == ["x", "y"]
+
+
+def test_a_shards_image_folder_is_replaced_whole(tmp_path):
+    """Store.put_folder on disk: the folder holds exactly the files given, an earlier attempt's extra files gone,
+    and no temporary folder is left beside it."""
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    store.put_folder("images/shard-00003", {"a.png": b"1", "b.png": b"22"})
+    folder = tmp_path / "images" / "shard-00003"
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"a.png": b"1", "b.png": b"22"}
+    store.put_folder("images/shard-00003", {"b.png": b"333", "c.png": b""})
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"b.png": b"333", "c.png": b""}
+    assert [p.name for p in (tmp_path / "images").iterdir()] == ["shard-00003"]
