@@ -1341,3 +1341,42 @@ def test_a_shards_image_folder_is_replaced_whole(tmp_path):
     store.put_folder("images/shard-00003", {"b.png": b"333", "c.png": b""})
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"b.png": b"333", "c.png": b""}
     assert [p.name for p in (tmp_path / "images").iterdir()] == ["shard-00003"]
+
+
+def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_file(tmp_path, caplog):
+    """launcher/ledger/states.py: a refresh lists state/ once and reads only the state files that changed since;
+    a damaged one counts as not done, with one warning naming it until it changes; a removed one is forgotten;
+    names that are not shard-NNNNN.json are not states; the traceback stays in the file."""
+    import logging
+    import os
+
+    from launcher.ledger.states import Ledger
+    from launcher.ledger.store import Store
+
+    state = tmp_path / "state"
+    state.mkdir()
+    good = {"status": "failed", "error": "boom", "traceback": "long", "rows": 2}
+    (state / "shard-00000.json").write_text(json.dumps(good))
+    (state / "shard-00001.json").write_text("{cut")
+    (state / "shard-1.json").write_text(json.dumps(good))  # not a name a run writes
+    (state / "notes.json").write_text("{}")
+    ledger = Ledger(Store(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="launcher.ledger.states"):
+        assert ledger.refresh() == {0: {"status": "failed", "error": "boom", "rows": 2}}
+        assert ledger.reads == 2 and set(ledger.damaged) == {1} and ledger.damaged[1].startswith("not JSON")
+        assert ledger.refresh() == {0: {"status": "failed", "error": "boom", "rows": 2}}
+        assert ledger.reads == 2  # nothing changed: nothing read
+        (state / "shard-00001.json").write_text("[]")  # damaged otherwise
+        ledger.refresh()
+        assert ledger.reads == 3 and ledger.damaged == {1: "a JSON list, not an object"}
+        ledger.refresh()
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warned) == 2 and all("shard-00001.json is damaged" in w for w in warned)
+    assert "shard 1 counts as not done: a run generates it again" in warned[0]
+    done = {"status": "done", "rows": 1, "prompts_fingerprint": "f"}
+    (state / "shard-00001.json").write_text(json.dumps(done))
+    os.utime(state / "shard-00001.json", ns=(1, 1))  # another mtime for sure
+    assert ledger.refresh() == {0: {"status": "failed", "error": "boom", "rows": 2}, 1: done}
+    assert ledger.damaged == {}
+    (state / "shard-00000.json").unlink()
+    assert ledger.refresh() == {1: done}
