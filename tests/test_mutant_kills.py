@@ -1380,3 +1380,42 @@ def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_fil
     assert ledger.damaged == {}
     (state / "shard-00000.json").unlink()
     assert ledger.refresh() == {1: done}
+
+
+def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
+    """launcher/ledger/references.py plan_row: a row's references (a path, relative to the source's folder, a list
+    of them, or images stored in the row) are each hashed (sha256 of their bytes) and located for lineage; the
+    first one's size is the row's; none, too many, or an entry that is no image or path is refused naming it."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts import SizeRule, Source
+    from launcher.ledger.references import plan_row, stored_name
+
+    src = Source("d.jsonl", image_column="ref", sizes=SizeRule(16, 1 << 20, 512, 512, max_references=2))
+    at, f = "dataset d.jsonl, line 2", str(tmp_path / "d.jsonl")
+    a, b = _png(tmp_path / "a.png", 64, 96), _png(tmp_path / "b.png", 128, 64)
+    assert plan_row(at, f, 1, "a.png", str(tmp_path), src) == (
+        [hashlib.sha256(a).hexdigest()],
+        [{"path": str(tmp_path / "a.png"), "src": str(tmp_path / "a.png")}],
+        (64, 96),
+    )
+    shas, locs, size = plan_row(at, f, 1, ["b.png", {"path": "a.png"}], str(tmp_path), src)
+    assert shas == [hashlib.sha256(b).hexdigest(), hashlib.sha256(a).hexdigest()] and size == (128, 64)
+    assert [x["path"] for x in locs] == [str(tmp_path / "b.png"), str(tmp_path / "a.png")]
+    shas, locs, size = plan_row(at, f, 4, [None, {"bytes": a, "path": "x.png"}, {"bytes": b}], str(tmp_path), src)
+    assert shas == [hashlib.sha256(a).hexdigest(), hashlib.sha256(b).hexdigest()] and size == (64, 96)
+    assert locs == [{"path": stored_name(f, 4, 0), "src": [f, "ref", 4, 0]},
+                    {"path": stored_name(f, 4, 1), "src": [f, "ref", 4, 1]}]  # fmt: skip
+    assert stored_name(f, 4, 0) == f"{f}#row=4" and stored_name(f, 4, 1) == f"{f}#row=4&ref=1"
+
+    def refusal(value):
+        with pytest.raises(ConfigError) as e:
+            plan_row(at, f, 1, value, str(tmp_path), src)
+        return str(e.value)
+
+    assert refusal(None) == f"{at}: no reference image in column 'ref'; give one or drop the row"
+    assert refusal([None]) == f"{at}: no reference image in column 'ref'; give one or drop the row"
+    assert refusal(["a.png"] * 3) == (
+        f"{at}: 3 reference images, more than the 2 this model family takes; give at most 2"
+    )
+    assert refusal(["a.png", 5]) == f"{at}: reference #1 is 5, not an image struct or a path; fix that row"
+    assert refusal([{"path": ""}]) == f"{at}: reference #0 is '', not an image struct or a path; fix that row"
