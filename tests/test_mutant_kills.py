@@ -1419,3 +1419,26 @@ def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
     )
     assert refusal(["a.png", 5]) == f"{at}: reference #1 is 5, not an image struct or a path; fix that row"
     assert refusal([{"path": ""}]) == f"{at}: reference #0 is '', not an image struct or a path; fix that row"
+
+
+def test_late_rejections_are_marked_on_the_rows_of_their_positions():
+    """launcher/ledger/rejected.py marked: a batch whose first row is source position `at` gets its `rejected`
+    column (null where a row is fine), and each late rejection (a duplicate id found once every row was read) is
+    set on the row at its position, saying where and why; rejections of other batches' rows are not."""
+    import pyarrow as pa
+
+    from launcher.ledger import rejected
+
+    b = pa.RecordBatch.from_pydict({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"]})
+    out = rejected.marked(b, 10, ((9, "before"), (11, "dup of a"), (13, "after")))
+    assert out.schema.field("rejected") == rejected.FIELD and out.column_names == ["id", "prompt", "rejected"]
+    marks = out.column("rejected").to_pylist()
+    assert marks[0] is None and marks[2] is None
+    assert json.loads(marks[1]) == {"where": "row 11 of the source", "reason": "dup of a"}
+    plain = rejected.marked(b, 10, ((13, "after"),))
+    assert plain.column("rejected").null_count == 3  # none of its rows
+    already = b.append_column(rejected.FIELD, pa.array(['{"where": "w", "reason": "r"}', None, None]))
+    again = rejected.marked(already, 0, ((2, "late"),)).column("rejected").to_pylist()
+    assert again[0] == '{"where": "w", "reason": "r"}' and again[1] is None
+    assert json.loads(again[2]) == {"where": "row 2 of the source", "reason": "late"}
+    assert rejected.marked(already, 0, ()).column_names == ["id", "prompt", "rejected"]
