@@ -1442,3 +1442,54 @@ def test_late_rejections_are_marked_on_the_rows_of_their_positions():
     assert again[0] == '{"where": "w", "reason": "r"}' and again[1] is None
     assert json.loads(again[2]) == {"where": "row 2 of the source", "reason": "late"}
     assert rejected.marked(already, 0, ()).column_names == ["id", "prompt", "rejected"]
+
+
+@pytest.mark.parametrize(
+    "key, value, taken",
+    [
+        ("seed", 0, 0),
+        ("seed", 2**63 - 1, 2**63 - 1),
+        ("seed", "17", 17),  # a CSV cell is text
+        ("seed", 3.0, 3),
+        ("seed", -1, None),
+        ("seed", 2**63, None),
+        ("seed", 2.5, None),
+        ("seed", True, None),
+        ("seed", "x", None),
+        ("height", 1, 1),
+        ("height", 0, None),
+        ("width", "64", 64),
+        ("num_inference_steps", 1, 1),
+        ("num_inference_steps", 1000, 1000),
+        ("num_inference_steps", 1001, None),
+        ("num_inference_steps", 0, None),
+        ("guidance_scale", 0, 0.0),
+        ("guidance_scale", "100", 100.0),
+        ("guidance_scale", 100.5, None),
+        ("guidance_scale", float("nan"), None),
+        ("guidance_scale", [1], None),
+        ("negative_prompt", "blurry", "blurry"),
+        ("negative_prompt", 5, None),
+    ],
+)
+def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming_it(key, value, taken):
+    """DESIGN: every value bounded; a row's seed, size, steps, guidance and negative prompt are taken as the
+    pipeline needs them, or refused naming the row, the column, the value and what it must be."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts_exact import _NEEDS, _override
+
+    at = "dataset d.csv, line 9"
+    if taken is not None:
+        got = _override(at, key, value)
+        assert got == taken and type(got) is type(taken)
+        return
+    with pytest.raises(ConfigError) as e:
+        _override(at, key, value)
+    need = _NEEDS.get(key, "an integer of 1 or more")
+    assert str(e.value) == f"{at}: column {key!r} is {value!r}; it must be {need} (or empty, to use the config's)"
+    assert need == {
+        "seed": "an integer from 0 to 2**63-1",
+        "num_inference_steps": "an integer from 1 to 1000",
+        "guidance_scale": "a finite number from 0 to 100",
+        "negative_prompt": "text",
+    }.get(key, "an integer of 1 or more")
