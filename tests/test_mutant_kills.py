@@ -1493,3 +1493,29 @@ def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming
         "guidance_scale": "a finite number from 0 to 100",
         "negative_prompt": "text",
     }.get(key, "an integer of 1 or more")
+
+
+def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixed_metadata():
+    """launcher/worker/writer.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
+    as file names, mode 644 and time 0 so that the same samples give the same bytes; the JSON holds the row's
+    columns but the image."""
+    import tarfile
+
+    from launcher.worker.writer import webdataset_tar
+
+    def sample(i, pid):
+        return {"id": i, "prompt_id": pid, "prompt": f"p {i}", "seed": 7, "height": 32, "width": 48,
+                "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m",
+                "image": {"bytes": b"x", "path": None}, "encoded": f"png-{i}".encode()}  # fmt: skip
+
+    samples = [sample("a-1", "a"), sample("a/0", "a")]
+    data = webdataset_tar(samples, "png")
+    assert data == webdataset_tar(samples, "png")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == ["a-1.png", "a-1.json", "a_0.png", "a_0.json"]
+        assert {(m.mode, m.mtime) for m in members} == {(0o644, 0)}
+        assert tar.extractfile("a_0.png").read() == b"png-a/0"
+        meta = json.loads(tar.extractfile("a-1.json").read())
+    assert meta == {"id": "a-1", "prompt_id": "a", "prompt": "p a-1", "seed": 7, "height": 32, "width": 48,
+                    "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m"}  # fmt: skip
