@@ -1519,3 +1519,48 @@ def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixe
         meta = json.loads(tar.extractfile("a-1.json").read())
     assert meta == {"id": "a-1", "prompt_id": "a", "prompt": "p a-1", "seed": 7, "height": 32, "width": 48,
                     "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m"}  # fmt: skip
+
+
+def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypatch):
+    """DESIGN: every host of a job computes its settings; the hosts compare before any generates, and a mismatch
+    is exit 2 on every host naming the keys that differ (here through a real TCPStore on loopback, as the
+    launchers' own). A key only one host has reads (none); long values are cut; at most eight are named."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from launcher.errors import ConfigError
+    from launcher.host import agreement
+
+    monkeypatch.setattr(agreement, "READ_FOR_S", 30.0)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    first = {"generate.seed": 1, "model.weights.transformer": "a" * 64, "mesh.tp": 2}
+    other = {"generate.seed": 2, "model.weights.transformer": "b" * 64, "mesh.tp": 2, "versions.torch": "2.13"}
+    errors = {}
+
+    def host(node: int, job: dict) -> None:
+        try:
+            agreement.agree(server, node, 2, job)
+        except ConfigError as e:
+            errors[node] = str(e)
+
+    one = threading.Thread(target=host, args=(1, other))
+    one.start()
+    host(0, first)
+    one.join(timeout=60)
+    assert not one.is_alive()
+    line = (
+        f"host 1's settings differ from host 0's: generate.seed 2 != 1, model.weights.transformer "
+        f"{'b' * 12}... != {'a' * 12}..., versions.torch 2.13 != (none); start every host with the same job"
+    )
+    assert errors == {0: line, 1: line}
+    errors.clear()
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    one = threading.Thread(target=host, args=(1, dict(first)))
+    one.start()
+    host(0, first)  # the same job: both go on
+    one.join(timeout=60)
+    assert errors == {}
+    many = {f"k{i}": i for i in range(10)}
+    assert agreement.differences({}, many) == ", ".join(f"k{i} (none) != {i}" for i in range(8)) + " and 2 more"
+    assert agreement.differences(many, dict(many)) == ""
