@@ -368,26 +368,34 @@ def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """A local S3-compatible server (moto) on 127.0.0.1, with a bucket; yields the env that reaches it."""
+    """A local S3-compatible server (moto) on 127.0.0.1, with a bucket; yields the env that reaches it. Under
+    `make mutants`, one of the run's servers (tests/server_pool.py), emptied."""
     import socket
 
     import boto3
+    from server_pool import empty_s3, lease
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    leased = lease("s3")
+    port = int(leased[0].rsplit(":", 1)[1]) if leased else None
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "test",
         "AWS_SECRET_ACCESS_KEY": "test",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    server = subprocess.Popen(  # moto's server, with S3's atomic conditional create (see tests/s3_server.py)
-        [sys.executable, str(Path(__file__).parent / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=log,
-    )
+    server = None
+    if not leased:
+        log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+        server = subprocess.Popen(  # moto's server, with S3's atomic conditional create (see tests/s3_server.py)
+            [sys.executable, str(Path(__file__).parent / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=log,
+        )
+    old = {k: os.environ.get(k) for k in env}
     try:
         for _ in range(100):
             try:
@@ -395,13 +403,15 @@ def s3(tmp_path_factory):
                 break
             except OSError:
                 time.sleep(0.1)
-        old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # for this process's own reads (status, card, comparisons)
-        boto3.client("s3").create_bucket(Bucket="meshgen-test")
+        empty_s3("meshgen-test") if leased else boto3.client("s3").create_bucket(Bucket="meshgen-test")
         yield env
     finally:
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
+        if leased:
+            leased[1].close()  # the lease: free for the next session
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
@@ -411,18 +421,23 @@ def gcs(tmp_path_factory):
     """A local GCS server (fake-gcs-server, see tests/gcs_server.py) on 127.0.0.1, with the bucket meshgen-test;
     yields the env that reaches it (STORAGE_EMULATOR_HOST, as Google's clients read it)."""
     from gcs_server import BUCKET, start
+    from server_pool import empty_gcs, lease
 
-    server, url = start(tmp_path_factory.mktemp("gcs") / "server.log")
+    leased = lease("gcs")
+    server, url = (None, leased[0]) if leased else start(tmp_path_factory.mktemp("gcs") / "server.log")
     old = os.environ.get("STORAGE_EMULATOR_HOST")
     try:
         os.environ["STORAGE_EMULATOR_HOST"] = url  # for this process's own reads (status, card, comparisons)
         from launcher.ledger.gcs import gcs_client
 
-        gcs_client().create_bucket(BUCKET)
+        empty_gcs(BUCKET) if leased else gcs_client().create_bucket(BUCKET)
         yield {"STORAGE_EMULATOR_HOST": url}
     finally:
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
+        if leased:
+            leased[1].close()
         os.environ.pop("STORAGE_EMULATOR_HOST") if old is None else os.environ.__setitem__("STORAGE_EMULATOR_HOST", old)
 
 

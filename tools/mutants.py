@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,6 +70,33 @@ def table(walls: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def server_pool(n: int) -> Iterator[dict]:
+    """n local S3 (moto) and n GCS servers for the whole run; the env that hands them to the tests' fixtures
+    (tests/server_pool.py), which otherwise start a server of each for every mutant whose tests reach a store."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from gcs_server import free_port, start
+    from server_pool import POOL_ENV
+
+    folder, procs = Path(tempfile.mkdtemp(prefix="meshgen-mutants-")), []
+    try:
+        for i in range(n):
+            port = free_port()
+            with open(folder / f"s3-{i}.log", "w") as log:
+                cmd = [sys.executable, str(REPO / "tests" / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)]
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+            (folder / f"s3-{i}.url").write_text(f"http://127.0.0.1:{port}")
+            server, url = start(folder / f"gcs-{i}.log")
+            procs.append(server)
+            (folder / f"gcs-{i}.url").write_text(url)
+        yield {POOL_ENV: str(folder)}
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run(room: str, max_children: int) -> float:
     """One room's mutants, by mutmut in this checkout; its wall time in seconds. Raises SystemExit where mutmut
     fails (its stats or clean run: a selected test fails without any mutant)."""
@@ -76,7 +107,9 @@ def run(room: str, max_children: int) -> float:
     # mutmut's fork server (process_isolation) avoids it too, but took ~8 s of wall time a mutant here, not ~0.6 s.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [str(mutmut), "run", "--max-children", str(max_children), room_glob(room)]
-    if subprocess.run(cmd, cwd=REPO, env=env).returncode:
+    with server_pool(max_children + 1) as servers:  # one for each test run at once, and the stats run's
+        code = subprocess.run(cmd, cwd=REPO, env={**env, **servers}).returncode
+    if code:
         sys.exit(f"error: mutmut failed on room {room} (above); fix the failing test, then run again")
     return time.monotonic() - start
 
