@@ -1564,3 +1564,76 @@ def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypa
     many = {f"k{i}": i for i in range(10)}
     assert agreement.differences({}, many) == ", ".join(f"k{i} (none) != {i}" for i in range(8)) + " and 2 more"
     assert agreement.differences(many, dict(many)) == ""
+
+
+def _stream_sample(i: int) -> dict:
+    row = {"id": f"s{i}", "prompt": f"p{i}", "seed": i, "height": 8, "width": 8, "num_inference_steps": 2}
+    return {
+        **row,
+        "guidance_scale": 1.0,
+        "negative_prompt": "",
+        "model": "m",
+        "encoded": f"img-{i}".encode(),
+        "_pos": i,
+    }
+
+
+def test_a_shard_streamed_out_of_order_is_written_in_order_in_row_groups_and_committed_whole(tmp_path):
+    """launcher/worker/stream.py: samples that arrive before their turn wait; the Parquet holds the shard's rows in
+    order in row groups of output.row_group_size; image files and the WebDataset tar beside it; nothing appears
+    before commit, and commit's record is each file's size and sha256."""
+    import tarfile
+    import types
+
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.store import Store
+    from launcher.worker.stream import ShardStream
+
+    cfg = types.SimpleNamespace(format="png", parquet=True, webdataset=True, image_files=True, row_group_size=2)
+    stream = ShardStream(Store(tmp_path), "shard-00004", cfg)
+    for batch in ([3, 0], [4], [1, 2]):
+        stream.add([_stream_sample(i) for i in batch])
+    assert not (tmp_path / "data" / "shard-00004.parquet").exists()  # not before commit
+    record = stream.commit()
+    assert stream.images == 5
+    data = tmp_path / "data" / "shard-00004.parquet"
+    pf = pq.ParquetFile(data)
+    assert [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)] == [2, 2, 1]
+    rows = pf.read().to_pylist()
+    assert [r["id"] for r in rows] == ["s0", "s1", "s2", "s3", "s4"]
+    assert rows[3]["image"] == {"bytes": b"img-3", "path": "s3.png"} and rows[3]["seed"] == 3
+    images = sorted(p.name for p in (tmp_path / "images" / "shard-00004").iterdir())
+    assert images == [f"s{i}.png" for i in range(5)]
+    with tarfile.open(tmp_path / "webdataset" / "shard-00004.tar") as tar:
+        assert [m.name for m in tar.getmembers()][:4] == ["s0.png", "s0.json", "s1.png", "s1.json"]
+    on_disk = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert set(record["files"]) == on_disk
+    for rel, (size, sha) in record["files"].items():
+        body = (tmp_path / rel).read_bytes()
+        assert (size, sha) == (len(body), hashlib.sha256(body).hexdigest()), rel
+    assert 0 < record["data_bytes"]
+
+
+def test_an_aborted_shard_leaves_nothing_and_an_empty_one_still_has_its_files(tmp_path):
+    import types
+
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.store import Store
+    from launcher.worker.stream import ShardStream
+
+    cfg = types.SimpleNamespace(format="png", parquet=True, webdataset=True, image_files=True, row_group_size=2)
+    stream = ShardStream(Store(tmp_path), "shard-00001", cfg)
+    stream.add([_stream_sample(i) for i in (1, 0, 2)])
+    stream.abort()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    embedded = types.SimpleNamespace(**{**vars(cfg), "image_files": False, "webdataset": False, "embed_images": False})
+    record = ShardStream(Store(tmp_path), "shard-00002", embedded).commit()
+    assert list(record["files"]) == ["data/shard-00002.parquet"]
+    assert pq.read_table(tmp_path / "data" / "shard-00002.parquet").num_rows == 0
+    stream = ShardStream(Store(tmp_path), "shard-00003", embedded)
+    stream.add([_stream_sample(0)])
+    stream.commit()
+    row = pq.read_table(tmp_path / "data" / "shard-00003.parquet").to_pylist()[0]
+    assert row["image"] == {"bytes": None, "path": "images/shard-00003/s0.png"}  # a row that points at its file
