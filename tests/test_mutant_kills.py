@@ -1637,3 +1637,44 @@ def test_an_aborted_shard_leaves_nothing_and_an_empty_one_still_has_its_files(tm
     stream.commit()
     row = pq.read_table(tmp_path / "data" / "shard-00003.parquet").to_pylist()[0]
     assert row["image"] == {"bytes": None, "path": "images/shard-00003/s0.png"}  # a row that points at its file
+
+
+def test_a_run_the_output_stopped_ends_with_one_line_saying_why(tmp_path, monkeypatch):
+    """launcher/host/space.py: out of space (a worker said so, the launcher failed, or less room than one shard
+    needs), out of inodes, or a folder that refuses writes: the run's last line says which and how to go on; a run
+    with room that nothing stopped says nothing. The output's own numbers are this seam's (statvfs, a probe)."""
+    import errno
+
+    from launcher.config import load_config
+    from launcher.host import space
+    from launcher.ledger.store import Store
+
+    cfg = load_config("tiny", ["generate.height=64", "generate.width=64", "run.shard_size=4"])
+    store = Store(tmp_path)
+    need = space.estimate_bytes(cfg, 4)
+    free = {"bytes": 10 * 2**30, "inodes": 1000, "probe": None}
+    monkeypatch.setattr(space, "free_bytes", lambda s: free["bytes"])
+    monkeypatch.setattr(space, "free_inodes", lambda s: free["inodes"])
+    monkeypatch.setattr(space, "probe_write", lambda s: free["probe"])
+    mine, other = {0: {"run_id": "r", "out_of_space": True}}, {0: {"run_id": "old", "out_of_space": True}}
+    assert space.stopped_by_space(cfg, store, {}, "r", False) is None
+    assert space.stopped_by_space(cfg, store, other, "r", False) is None  # an earlier run's word
+    out = f"error: {store} is out of space (10.0 GB free); free some space and run the same command again to finish"
+    assert space.stopped_by_space(cfg, store, mine, "r", False) == out
+    assert space.stopped_by_space(cfg, store, {}, "r", True) == out
+    free["bytes"] = need - 1  # less than one shard
+    assert space.stopped_by_space(cfg, store, {}, "r", False).startswith(f"error: {store} is out of space (")
+    free["bytes"] = need
+    assert space.stopped_by_space(cfg, store, {}, "r", False) is None
+    free["inodes"] = 0
+    assert space.stopped_by_space(cfg, store, mine, "r", False) == (
+        f"error: {store} is out of inodes (0 free, {space.size_text(need)} of space free); remove files (or move the "
+        "output to a file system with more inodes, or use output.image_files=false) and run the same command again"
+    )
+    free["probe"] = OSError(errno.EROFS, "Read-only file system")
+    assert space.stopped_by_space(cfg, store, {}, "r", False) == (
+        f"error: {store} refuses writes ([Errno 30] Read-only file system); make it writable again and run the "
+        "same command to finish"
+    )
+    assert [space.size_text(n) for n in (0, 1023, 1024, 1536 * 1024, 5 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KB", "1.5 MB", "5.0 TB"]  # fmt: skip
