@@ -1678,3 +1678,61 @@ def test_a_run_the_output_stopped_ends_with_one_line_saying_why(tmp_path, monkey
     )
     assert [space.size_text(n) for n in (0, 1023, 1024, 1536 * 1024, 5 * 2**40)] == [
         "0 B", "1023 B", "1.0 KB", "1.5 MB", "5.0 TB"]  # fmt: skip
+
+
+def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
+    """DESIGN: the dataset card (README.md) says what the folder holds: shards done, failed and pending and their
+    images, the done shards' Parquet files only (by name when another file lies there, by glob when every file is
+    a done shard's), their rows and sizes, the license in the Hub's terms, and the load line."""
+    import types
+
+    import yaml
+
+    from launcher.config import load_config
+    from launcher.host import card
+    from launcher.ledger.runs import write_run_json
+    from launcher.ledger.states import state_rel
+    from launcher.ledger.store import Store
+    from launcher.worker.stream import ShardStream
+
+    store = Store(tmp_path)
+    cfg = load_config("tiny", ["model.path=org/tiny", "model.build=null", "run.shard_size=2", "model.license=MIT"])
+    write_run_json(store, cfg, 4)
+    out = types.SimpleNamespace(format="png", parquet=True, webdataset=False, image_files=False, row_group_size=2)
+    states = {}
+    for shard, ids in ((0, [0, 1]), (2, [4]), (3, [6, 7])):  # shard 3's file is an attempt never marked done
+        stream = ShardStream(store, f"shard-{shard:05d}", out)
+        stream.add([{**_stream_sample(i), "_pos": k} for k, i in enumerate(ids)])
+        record = stream.commit()
+        if shard != 3:
+            states[shard] = {"status": "done", "rows": len(ids), "seconds": 1.0, "run_id": "r", **record}
+    states[1] = {"status": "failed", "error": "boom\ntraceback", "seconds": 0.5, "run_id": "r"}
+    for i, st in states.items():
+        store.write_json(state_rel(i), st)
+    text = card.card_text(store, repo_id="org/set")
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["license"] == "mit" and front["task_categories"] == ["text-to-image"]
+    assert front["configs"][0]["data_files"] == [
+        {"split": "train", "path": ["data/shard-00000.parquet", "data/shard-00002.parquet"]}
+    ]
+    assert front["dataset_info"]["splits"] == [
+        {"name": "train", "num_bytes": states[0]["data_bytes"] + states[2]["data_bytes"], "num_examples": 3}
+    ]
+    sizes = sum((tmp_path / "data" / f"shard-{i:05d}.parquet").stat().st_size for i in (0, 2))
+    assert front["dataset_info"]["download_size"] == sizes and front["size_categories"] == ["n<1K"]
+    assert "4 shards of 2 prompts: 2 done, 1 failed, 1 pending; 3 images." in text
+    assert "This run is not complete: the card names only the done shards' data." in text
+    assert 'ds = load_dataset("org/set", split="train")' in text
+    (tmp_path / "data" / "shard-00003.parquet").unlink()
+    store.write_json(state_rel(1), {**states[0], "rows": 2})
+    store.write_bytes("data/shard-00001.parquet", (tmp_path / "data" / "shard-00000.parquet").read_bytes())
+    store.write_json(state_rel(3), {**states[0], "rows": 2})
+    store.write_bytes("data/shard-00003.parquet", (tmp_path / "data" / "shard-00000.parquet").read_bytes())
+    front = yaml.safe_load(card.card_text(store).split("---\n")[1])
+    assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/*.parquet"}]  # all done: a glob
+    assert [card.size_category(n) for n in (999, 1000, 10**8, 10**9)] == ["n<1K", "1K<n<10K", "100M<n<1B", "1B<n<10B"]
+    assert card.hub_license("Apache-2.0") == {"license": "apache-2.0"}
+    link = "https://x.org/LICENSE.md"
+    assert card.hub_license(f"FLUX.1 [dev] Non-Commercial License {link}") == {
+        "license": "other", "license_name": "flux-1-dev-non-commercial-license", "license_link": link}  # fmt: skip
+    assert card.hub_license("  ") == {}
