@@ -1736,3 +1736,28 @@ def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
     assert card.hub_license(f"FLUX.1 [dev] Non-Commercial License {link}") == {
         "license": "other", "license_name": "flux-1-dev-non-commercial-license", "license_link": link}  # fmt: skip
     assert card.hub_license("  ") == {}
+
+
+def test_the_progress_bar_counts_this_runs_done_images_and_failed_shards(tmp_path):
+    """launcher/host/summary.py Progress: the bar counts the images of this run's done shards (not an earlier
+    run's), its failed shards in the postfix, hands this run's done shards to output.publish, and says
+    "generating" once images flow."""
+    from launcher.host.summary import Progress
+    from launcher.ledger.states import Ledger, state_rel
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    states = {0: {"status": "done", "rows": 4, "run_id": "old"}, 1: {"status": "done", "rows": 3, "run_id": "r"},
+              2: {"status": "failed", "run_id": "r"}, 3: {"status": "done", "rows": 2, "run_id": "r"}}  # fmt: skip
+    for i, st in states.items():
+        store.write_json(state_rel(i), st)
+    pushed = []
+    progress = Progress(Ledger(store), 20, "r", on_done=pushed.append)
+    assert progress._bar.desc == "starting workers"
+    progress._update()
+    assert progress._bar.n == 5 and progress._bar.postfix == "failed_shards=1"
+    assert pushed == [[1, 3]] and progress._bar.desc == "generating"
+    store.write_json(state_rel(2), {"status": "done", "rows": 4, "run_id": "r"})
+    progress._update()
+    assert progress._bar.n == 9 and progress._bar.postfix == "failed_shards=0" and pushed[-1] == [1, 2, 3]
+    progress._bar.close()
