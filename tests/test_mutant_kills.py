@@ -1761,3 +1761,17 @@ def test_the_progress_bar_counts_this_runs_done_images_and_failed_shards(tmp_pat
     progress._update()
     assert progress._bar.n == 9 and progress._bar.postfix == "failed_shards=0" and pushed[-1] == [1, 2, 3]
     progress._bar.close()
+
+
+def test_the_true_cfg_scales_a_run_calls_with_and_lora_scale_keys():
+    """The true_cfg_scale values the pipeline is called with: the swept ones, else model.call_kwargs', else none;
+    `lora_scale.<i>` names the i-th LoRA's scale only with i written plainly."""
+    from launcher.ledger.sweep import lora_index, true_cfg_scales
+
+    cfg = lambda sweep=None, kw=None: OmegaConf.create({"generate": {"sweep": sweep}, "model": {"call_kwargs": kw}})  # noqa: E731
+    assert true_cfg_scales(cfg()) == []
+    assert true_cfg_scales(cfg(kw={"true_cfg_scale": 4})) == [4.0]
+    assert true_cfg_scales(cfg(sweep={"true_cfg_scale": [1, 2.5]}, kw={"true_cfg_scale": 4})) == [1.0, 2.5]
+    assert true_cfg_scales(cfg(sweep={"guidance_scale": [1]}, kw={"true_cfg_scale": 3})) == [3.0]
+    assert [lora_index(k) for k in ("lora_scale.0", "lora_scale.12", "lora_scale.01", "lora_scale.", "scale.1")] == [
+        0, 12, None, None, None]  # fmt: skip
