@@ -1775,3 +1775,25 @@ def test_the_true_cfg_scales_a_run_calls_with_and_lora_scale_keys():
     assert true_cfg_scales(cfg(sweep={"guidance_scale": [1]}, kw={"true_cfg_scale": 3})) == [3.0]
     assert [lora_index(k) for k in ("lora_scale.0", "lora_scale.12", "lora_scale.01", "lora_scale.", "scale.1")] == [
         0, 12, None, None, None]  # fmt: skip
+
+
+def test_a_parquet_row_whose_text_is_not_utf8_is_a_bad_row_not_an_unreadable_file():
+    """Parquet and Arrow do not guarantee UTF-8 text: a row holding other bytes in a text column is a bad row (named
+    as such), its neighbours read as they are, large strings too, and nulls stay nulls."""
+    import pyarrow as pa
+
+    from launcher.ledger.prompts_raw import rows_of
+    from launcher.ledger.row_checks import Bad
+
+    raw = pa.array([b"ok", b"\xff\xfe", None], pa.binary())
+    batch = pa.RecordBatch.from_arrays(
+        [raw.view(pa.string()), raw.cast(pa.large_binary()).view(pa.large_string()), pa.array([1, 2, 3])],
+        names=["prompt", "note", "n"],
+    )
+    rows = rows_of(batch)
+    assert rows[0] == {"prompt": "ok", "note": "ok", "n": 1} and rows[2] == {"prompt": None, "note": None, "n": 3}
+    assert isinstance(rows[1], Bad) and rows[1].reason == (
+        "a text column holds bytes that are not UTF-8 (invalid start byte); rewrite that row as UTF-8"
+    )
+    good = pa.RecordBatch.from_pydict({"prompt": ["a", "b"]})
+    assert rows_of(good) == [{"prompt": "a"}, {"prompt": "b"}]
