@@ -870,6 +870,10 @@ def test_the_csv_reader_numbers_each_record_by_its_line_and_names_what_is_wrong(
     assert str(e.value) == f"dataset {f}, line 1: not UTF-8 text (invalid start byte at byte 7); save the file as UTF-8"
     f.write_bytes(b"")
     assert list(_csv(str(f), "prompt")) == []
+    f.write_bytes(b"prompt,seed\n\xff\rx,1\nlast,5\n")  # a lone CR in a line that is not UTF-8: still one line
+    got = [(w, r.reason if isinstance(r, Bad) else r) for w, r in _csv(str(f), "prompt")]
+    assert got == [(where(2), "not UTF-8 text (invalid start byte at byte 0); save the file as UTF-8"),
+                   (where(3), {"prompt": "last", "seed": "5"})]  # fmt: skip
 
 
 @pytest.mark.parametrize(

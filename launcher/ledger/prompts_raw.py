@@ -82,7 +82,7 @@ def _lines(f: str, offset: int = 0) -> Iterator[tuple[int, str | Bad]]:
         except UnicodeDecodeError as e:
             n += 1
             reason = f"not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8"
-            yield n, Bad(reason, part.decode("utf-8", "replace"))
+            yield n, Bad(reason, part.decode("utf-8", "replace").replace("\r", " "))  # one line for csv too
             continue
         if n == 0:
             text = text.removeprefix("\ufeff")  # spreadsheet exports often start with a byte-order mark
