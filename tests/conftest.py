@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -383,41 +382,23 @@ def file_snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
-    """A local S3-compatible server (moto) on 127.0.0.1, with a bucket; yields the env that reaches it. Under
-    `make mutants`, one of the run's servers (tests/server_pool.py), emptied."""
-    import socket
-
+    """A local S3-compatible server (moto, with S3's atomic conditional create: tests/s3_server.py) on 127.0.0.1,
+    with a bucket; yields the env that reaches it. Under `make mutants`, one of the run's servers
+    (tests/server_pool.py), emptied."""
     import boto3
+    from s3_server import start
     from server_pool import empty_s3, lease
 
     leased = lease("s3")
-    port = int(leased[0].rsplit(":", 1)[1]) if leased else None
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    server, url = (None, leased[0]) if leased else start(tmp_path_factory.mktemp("moto") / "server.log")
     env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ENDPOINT_URL": url,
         "AWS_ACCESS_KEY_ID": "test",
         "AWS_SECRET_ACCESS_KEY": "test",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    server = None
-    if not leased:
-        log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-        server = subprocess.Popen(  # moto's server, with S3's atomic conditional create (see tests/s3_server.py)
-            [sys.executable, str(Path(__file__).parent / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=log,
-        )
     old = {k: os.environ.get(k) for k in env}
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         os.environ.update(env)  # for this process's own reads (status, card, comparisons)
         empty_s3("meshgen-test") if leased else boto3.client("s3").create_bucket(Bucket="meshgen-test")
         yield env

@@ -32,13 +32,19 @@ def start(log: Path) -> tuple[subprocess.Popen, str]:
     args = ["-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port), "-external-url", url]
     with open(log, "w") as f:
         server = subprocess.Popen([str(_get_binary_path()), *args, "-log-level", "warn"], stdout=f, stderr=f)
+    wait_until_answering(server, port, log, "fake-gcs-server")
+    return server, url
+
+
+def wait_until_answering(server: subprocess.Popen, port: int, log: Path, what: str) -> None:
+    """Until the server takes a connection on `port`; RuntimeError with its log where it ends or takes 30 s."""
     deadline = time.monotonic() + 30
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return server, url
+            return
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise RuntimeError(f"fake-gcs-server did not start: {log.read_text()[-2000:]}") from None
+                raise RuntimeError(f"{what} did not start: {log.read_text()[-2000:]}") from None
             time.sleep(0.05)

@@ -9,22 +9,37 @@ around moto's PUT of an object restores that. tests/test_contract_ledger.py race
 Usage: python tests/s3_server.py [moto_server's arguments]
 """
 
+import subprocess
 import sys
 import threading
-
-from moto.s3.responses import S3Response
-from moto.server import main
-
-_one_at_a_time = threading.Lock()
-_put_object = S3Response.put_object
+from pathlib import Path
 
 
-def put_object(self):
-    with _one_at_a_time:
-        return _put_object(self)
+def start(log: Path) -> tuple[subprocess.Popen, str]:
+    """The server on a free loopback port, answering; (its process, its URL for AWS_ENDPOINT_URL)."""
+    from gcs_server import free_port, wait_until_answering
+
+    port = free_port()
+    with open(log, "w") as f:
+        cmd = [sys.executable, __file__, "-H", "127.0.0.1", "-p", str(port)]
+        server = subprocess.Popen(cmd, stdout=f, stderr=f)
+    wait_until_answering(server, port, log, "moto's S3 server")
+    return server, f"http://127.0.0.1:{port}"
 
 
-S3Response.put_object = put_object
+def _serve(argv: list[str]) -> None:
+    from moto.s3.responses import S3Response
+    from moto.server import main
+
+    one_at_a_time, put_object = threading.Lock(), S3Response.put_object
+
+    def atomic_put_object(self):
+        with one_at_a_time:
+            return put_object(self)
+
+    S3Response.put_object = atomic_put_object
+    main(argv)
+
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    _serve(sys.argv[1:])

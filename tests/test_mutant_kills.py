@@ -1021,10 +1021,9 @@ def test_kept_columns_that_do_not_fit_the_first_files_types_or_are_missing_are_n
 
 
 def _png(path, w: int, h: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (10, 20, 30)).save(buf, format="PNG")
-    path.write_bytes(buf.getvalue())
-    return buf.getvalue()
+    """A w x h PNG written to `path`; its bytes."""
+    path.write_bytes(data := png((10, 20, 30), (w, h)))
+    return data
 
 
 def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_bounds(tmp_path, monkeypatch):

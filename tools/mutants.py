@@ -75,20 +75,17 @@ def server_pool(n: int) -> Iterator[dict]:
     """n local S3 (moto) and n GCS servers for the whole run; the env that hands them to the tests' fixtures
     (tests/server_pool.py), which otherwise start a server of each for every mutant whose tests reach a store."""
     sys.path.insert(0, str(REPO / "tests"))
-    from gcs_server import free_port, start
+    import gcs_server
+    import s3_server
     from server_pool import POOL_ENV
 
     folder, procs = Path(tempfile.mkdtemp(prefix="meshgen-mutants-")), []
     try:
         for i in range(n):
-            port = free_port()
-            with open(folder / f"s3-{i}.log", "w") as log:
-                cmd = [sys.executable, str(REPO / "tests" / "s3_server.py"), "-H", "127.0.0.1", "-p", str(port)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=log))
-            (folder / f"s3-{i}.url").write_text(f"http://127.0.0.1:{port}")
-            server, url = start(folder / f"gcs-{i}.log")
-            procs.append(server)
-            (folder / f"gcs-{i}.url").write_text(url)
+            for kind, server_module in (("s3", s3_server), ("gcs", gcs_server)):
+                server, url = server_module.start(folder / f"{kind}-{i}.log")
+                procs.append(server)
+                (folder / f"{kind}-{i}.url").write_text(url)
         yield {POOL_ENV: str(folder)}
     finally:
         for p in procs:
