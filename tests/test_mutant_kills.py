@@ -587,6 +587,22 @@ def test_split_takes_a_shards_accepted_rows_and_records_each_set_aside_row_where
         ("/d/src/p.parquet", "/d/src/out", False),  # a file reaches only itself
         ("/d/src/p.parquet", "/d", True),  # ... which the output folder would hold
         ("/d/src/P.TXT", "/d/src/out", False),  # a prompt file's suffix in any case
+        ("/d/src/p.parquet", "/d/src", True),  # the output folder holds the file itself
+        ("s3://b/d/p.txt", "s3://b/d/p.txt/out", False),  # a store's key may also be a folder: the file's alone read
+        ("/d/*.parquet", "/d/run.parquet", False),  # the glob lists /d's files; a folder it matches is not read
+        ("/*/x.parquet", "/d", True),  # a glob from the root: its first folder part lists /d
+        ("/**/x.parquet", "/d/out", True),
+        ("/d/**/.cache/*.parquet", "/d/.cache", True),  # `**` may match no folder at all
+        ("/d/**/*.parquet", "/d/a/.cache", False),  # ... nor enter a "." folder below the first either
+        ("/d/**/*.parquet", "/d/a/.cache/out", False),
+        ("/d/*/*.parquet", "/d/.cache", False),  # `*` matches no name that starts with "."
+        ("s3://b/d/**/*.parquet?endpoint_override=http://h:9000", "s3://b/d/out", True),  # a URL in the query
+        ("s3://b/d", "s3:/b/d/out", False),  # a local folder named "s3:" is not the bucket
+        ("/dX/*/*.parquet", "/d/out", False),  # names are compared whole: /dX is not /d
+        ("/d/*/X", "/d/out", True),
+        ("s3://b/d/**/*.parquet", "s3://b/dX", False),
+        ("s3://b/my data/**/*.parquet", "s3://b/my data/out", True),  # a space is part of a key
+        ("s3://b/d?endpoint_override=http://h:9000", "s3://b/d/out", True),  # a folder's query is not its name
         ("s3://b/d/**/*.parquet", "s3://b/d/out", True),
         ("s3://b/d/**/*.parquet?endpoint_override=x", "s3://b/d/out/", True),  # query and trailing "/" dropped
         ("s3://b/d/**/*.parquet", "gs://b/d/out", False),  # another store
@@ -611,6 +627,18 @@ def test_the_reach_of_a_dataset_path_is_what_glob_would_list(source, output, ins
         )
     else:
         check_output_outside_source(source, output)
+
+
+def test_the_reach_of_a_glob_through_a_link_is_the_folder_it_leads_to(tmp_path):
+    """reach.py: on local disk both sides are resolved first, so a glob whose base is a link reaches the output
+    folder named by its real path, and the other way round."""
+    from launcher.ledger.reach import reaches
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert reaches(f"{tmp_path}/link/**/*.parquet", f"{tmp_path}/real/out") is True
+    assert reaches(f"{tmp_path}/real/**/*.parquet", f"{tmp_path}/link/out") is True
+    assert reaches(f"{tmp_path}/link/*.parquet", f"{tmp_path}/real/out") is False
 
 
 GOOD_STATE = {"status": "done", "rows": 2, "seconds": 1.5, "run_id": "r", "stages": {"denoise": 1, "vae": 0.5}}

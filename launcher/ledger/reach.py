@@ -45,8 +45,8 @@ def reaches(source: str, output: str) -> bool:
         if source.lower().endswith(PROMPT_SUFFIXES):
             return _within(parts[:-1], out.split("/"))
         parts = [*parts, "**"]
-    elif src_scheme == "":  # the glob's plain base, resolved as the walk sees it
-        parts = os.path.realpath("/".join(parts[:first]) or "/").split("/") + parts[first:]
+    elif src_scheme == "":  # the glob's plain base, resolved as the walk sees it ("/" alone: no empty part)
+        parts = os.path.realpath("/".join(parts[:first]) or "/").rstrip("/").split("/") + parts[first:]
     folders = parts if parts[-1] == "**" else parts[:-1]
     return _within(folders, out.split("/"))
 
