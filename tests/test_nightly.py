@@ -346,8 +346,6 @@ def test_a_file_written_to_while_it_is_read_is_read_whole_next_time(tmp_path, mo
 def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path):
     """Pass 2 reads a map's shard column, then only the row groups (one per planned batch) holding the wanted
     shards: a map of four row groups, wanted shards in the second and the fourth, gives exactly their rows."""
-    from types import SimpleNamespace
-
     from launcher.ledger import idmap
     from launcher.ledger.idpass2 import _map
     from launcher.ledger.store import Store
@@ -359,7 +357,7 @@ def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path)
             cols = {"row": rs, "id": [f"u{r}" for r in rs], "h": rs, "fp": rs, "shard": [g] * 10}
             w.write_table(pa.table({**cols, "pos": list(range(10))}, schema=idmap.MAP_SCHEMA))
     assert pq.ParquetFile(tmp_path / "sources" / "m.parquet").num_row_groups == 4
-    index = SimpleNamespace(store=Store(tmp_path), files={"f": {"map": "sources/m.parquet"}})
+    index = idmap.Index(Store(tmp_path), {"files": {"f": {"map": "sources/m.parquet"}}})
     got = _map(index, "f", ["row", "id", "shard"], pa.array([1, 3], pa.int32()))
     assert got["row"].to_pylist() == [*range(10, 20), *range(30, 40)]
     assert got["id"].to_pylist() == [f"u{r}" for r in [*range(10, 20), *range(30, 40)]]
@@ -385,6 +383,33 @@ def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch
     assert "the id map" in caplog.text and "is damaged" in caplog.text
     assert read == [[0, 10]]  # read whole again
     assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
+
+
+
+@pytest.mark.parametrize("then", ["the source grew", "a failed shard is rerun", "the shard table is cut short"])
+def test_a_map_file_cut_short_is_planned_afresh_with_a_warning(tmp_path, monkeypatch, caplog, then):
+    """A map file the listing shows but that is damaged inside (cut to half its bytes) never stops a run with a
+    traceback, whether pass 1 reads it (its source grew) or pass 2 would (a failed shard of an unchanged source):
+    the source is planned afresh, the warning names the file, and every id is planned once."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    data = json.loads((tmp_path / "out" / "sources" / "index.json").read_text())
+    rel = data["shards"] if then == "the shard table is cut short" else data["files"][str(src)]["map"]
+    damaged = tmp_path / "out" / rel
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    if then == "the source grew":
+        write(src, [*ROWS, {"uid": "p010", "prompt": "a new one"}])
+    else:
+        nights.states[1] = {"status": "failed"}
+    again, _ = nights.plan()
+    assert f"the id map {tmp_path / 'out' / 'sources' / 'index.json'} is damaged ({rel}: " in caplog.text
+    status = {s.index: s.status for s in again.shards}
+    assert status[0] == "done" and (status[1] == "done") == (then == "the source grew")
+    ids = [i for s in again.selected for i, _ in nights.rows(again, s)]
+    want = ["p010"] if then == "the source grew" else [f"p{i:03d}" for i in range(4, 8)]
+    assert ids == want
 
 
 def test_duplicates_set_aside_name_the_file_of_the_later_row_and_the_place_of_the_first(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,22 +66,33 @@ class Index:
     def gen(self) -> int:
         return self.data.get("gen", 0)
 
-    def read_map(self, f: str) -> pa.Table:
-        return pq.read_table(self._open(self.files[f]["map"]))
+    def read_map(self, f: str, columns: list[str] | None = None) -> pa.Table:
+        with reading(self.files[f]["map"]):
+            return pq.read_table(self._open(self.files[f]["map"]), columns=columns)
 
     def map_batches(self, f: str) -> Iterator[pa.RecordBatch]:
-        return pq.ParquetFile(self._open(self.files[f]["map"])).iter_batches()
+        with reading(self.files[f]["map"]):
+            yield from pq.ParquetFile(self._open(self.files[f]["map"])).iter_batches()
+
+    def map_file(self, f: str) -> pq.ParquetFile:
+        """`f`'s map, its footer read; read it inside `reading(index.files[f]["map"])`."""
+        with reading(self.files[f]["map"]):
+            return pq.ParquetFile(self._open(self.files[f]["map"]))
 
     def read_shards(self) -> tuple[np.ndarray, np.ndarray, list]:
         if not self.data.get("shards"):
             return np.zeros(0, np.int32), np.zeros(0, np.uint64), []
-        t = pq.read_table(self._open(self.data["shards"]))
+        with reading(self.data["shards"]):
+            t = pq.read_table(self._open(self.data["shards"]))
         rows = t["rows"].to_numpy().astype(np.int32)
         total = t["total"].to_numpy(zero_copy_only=False).astype(np.uint64)
         return rows, total, t["legacy"].to_pylist()
 
     def read_left(self) -> pa.Table | None:
-        return pq.read_table(self._open(self.data["left"])) if self.data.get("left") else None
+        if not self.data.get("left"):
+            return None
+        with reading(self.data["left"]):
+            return pq.read_table(self._open(self.data["left"]))
 
     def run_paths(self) -> list[Path]:
         return [self._fetched(rel) for rel in self.data.get("runs", [])]
@@ -100,6 +112,28 @@ class Index:
         return out
 
 
+class Damaged(Exception):
+    """A file of the committed id map that cannot be read as what it should be (`reading`)."""
+
+
+@contextmanager
+def reading(rel: str) -> Iterator[None]:
+    """Raise Damaged, naming `rel`, where reading it fails: a file the listing shows can still be cut short or
+    overwritten inside (pyarrow's ArrowInvalid, or OSError: "Corrupt Lz4 compressed data"). On an object store a
+    read that fails after the client's own retries is taken as damage too: the map is then built afresh."""
+    try:
+        yield
+    except (pa.ArrowInvalid, OSError, ValueError) as e:
+        raise Damaged(f"{rel}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from e
+
+
+def warn_damaged(store: Store, problem: str) -> None:
+    logging.getLogger(__name__).warning(
+        "the id map %s is damaged (%s): the source is planned afresh; a done shard whose ids it placed "
+        "otherwise is found stale and named", store.path(INDEX), problem,
+    )  # fmt: skip
+
+
 def load(store: Store | None, shard_size: int) -> Index:
     """The committed id map, or an empty one (none yet, none readable, or made with another shard size)."""
     data = store.read_json(INDEX) if store is not None else None
@@ -107,10 +141,7 @@ def load(store: Store | None, shard_size: int) -> Index:
         return Index(store)
     problem = _problem(store, data)
     if problem:  # the output folder is outside the process: a damaged map must not stop the run with a traceback
-        logging.getLogger(__name__).warning(
-            "the id map %s is damaged (%s): the source is planned afresh; a done shard whose ids it placed "
-            "otherwise is found stale and named", store.path(INDEX), problem,
-        )  # fmt: skip
+        warn_damaged(store, problem)
         return Index(store)
     return Index(store, data)
 

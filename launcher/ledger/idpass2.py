@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from launcher.errors import ConfigError
 from launcher.ledger import idmap
@@ -108,12 +107,12 @@ def _holds(entry: dict, wanted: set[int]) -> bool:
 def _map(index: idmap.Index, f: str, columns: list[str], values: pa.Array) -> pa.Table:
     """The map rows of `f` whose shard is in `values`: its shard column read whole, then only the row groups (one
     per batch planned) that hold such rows, since a shard's ids sit together in its file."""
-    path = index.store.path(index.files[f]["map"])
-    pf = pq.ParquetFile(index.store.fs.open_input_file(path))
-    hit = np.flatnonzero(pc.is_in(pf.read(columns=["shard"])["shard"], value_set=values).to_numpy(False))
-    ends = np.cumsum([pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-    groups = np.unique(np.searchsorted(ends, hit, side="right")).tolist()
-    m = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table().select(columns)
+    pf = index.map_file(f)
+    with idmap.reading(index.files[f]["map"]):
+        hit = np.flatnonzero(pc.is_in(pf.read(columns=["shard"])["shard"], value_set=values).to_numpy(False))
+        ends = np.cumsum([pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+        groups = np.unique(np.searchsorted(ends, hit, side="right")).tolist()
+        m = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table().select(columns)
     return m.filter(pc.is_in(m["shard"], value_set=values))
 
 

@@ -72,12 +72,13 @@ class _New:
         return shards, pos
 
 
-def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> IdShards:
-    """Pass 1 over `files` (listing order) with `src.id_column`; `check(table)` runs the row checks of new rows."""
+def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh: bool = False) -> IdShards:
+    """Pass 1 over `files` (listing order) with `src.id_column`; `check(table)` runs the row checks of new rows.
+    `fresh`: as if the output folder held no id map (idmap.Damaged was raised reading it)."""
     from launcher.ledger import rejected
     from launcher.ledger.prompts import file_batches
 
-    index = idmap.load(store, size)
+    index = idmap.Index(store) if fresh else idmap.load(store, size)
     rows, total, legacy = index.read_shards()
     stats = {f: idmap.file_stat(f) for f in files}
     old = index.files
@@ -93,7 +94,8 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check) -> Id
     staged.data["shard_size"] = size
     try:
         new = _New(len(rows), size, _migration_caps(states, size) if not old else None)
-        runs = idruns.open_runs(index.run_paths())
+        with idmap.reading("its runs of id hashes"):
+            runs = idruns.open_runs(index.run_paths())
         spill = idruns.Spill(staged.folder / "spill")
         vanished, candidates, deltas, starts, start = [], [], [], {}, 0
         staged.data["files"] = {}

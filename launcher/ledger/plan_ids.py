@@ -31,6 +31,16 @@ def id_status(state: dict | None, fingerprint: str, legacy: str | None, cut: str
 
 
 def make_id_plan(cfg, states: dict[int, dict], src, sizes, store):
+    from launcher.ledger import idmap
+
+    try:
+        return _make_id_plan(cfg, states, src, sizes, store)
+    except idmap.Damaged as e:  # a file of the output folder never stops a run with a traceback
+        idmap.warn_damaged(store, str(e))
+        return _make_id_plan(cfg, states, src, sizes, store, fresh=True)
+
+
+def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool = False):
     from launcher.ledger.idplan import plan_ids
     from launcher.ledger.plan import Plan, ShardPlan, check_row_fields
     from launcher.ledger.prompts import check_limit, source_files
@@ -43,7 +53,7 @@ def make_id_plan(cfg, states: dict[int, dict], src, sizes, store):
         check_row_fields(t, cfg, sizes)
 
     check_limit(cfg.dataset.limit)
-    found = plan_ids(src, source_files(src.path), cfg.run.shard_size, store, states, check)
+    found = plan_ids(src, source_files(src.path), cfg.run.shard_size, store, states, check, fresh)
     if not len(found.rows):
         from launcher.ledger import rejected as rejected_mod
 
@@ -81,7 +91,22 @@ def make_id_plan(cfg, states: dict[int, dict], src, sizes, store):
     held = exhausted(states, status, cfg.run.max_attempts) if selection == "pending" else []
     plan = Plan(shards, select_shards(status, selection, cfg.run.stale, frozenset(held)), stale, held=held)
     plan.rejected, plan.late, plan.ids = found.rejected, src.late, found
+    if plan.selected and found.index.files:
+        _read_old_maps(found, set(plan.selected))
     return plan
+
+
+def _read_old_maps(found, selected: set[int]) -> None:
+    """The old maps that pass 2 reads for the selected shards, read now as it will (their shard column): a damaged
+    one then means planning afresh (idmap.Damaged), not a run that fails at its plan file."""
+    from launcher.ledger import idmap
+    from launcher.ledger.idpass2 import shard_order
+
+    try:
+        shard_order(found.index, selected)
+    except idmap.Damaged:
+        idmap.discard(found.staged)
+        raise
 
 
 def _all_ids(found):
@@ -89,18 +114,17 @@ def _all_ids(found):
     images per prompt or a sweep, a changed source is checked whole, from the maps, not from the source)."""
     import pyarrow.parquet as pq
 
+    from launcher.ledger import idmap
+
     staged = found.staged
     try:
-        for e in staged.data["files"].values():
+        for f, e in staged.data["files"].items():
             if e["map"] in staged.names:
                 m = pq.read_table(staged.names[e["map"]], columns=["id"])
-            else:
-                store = found.index.store
-                m = pq.read_table(store.fs.open_input_file(store.path(e["map"])), columns=["id"])
+            else:  # an unchanged file's: its old map
+                m = found.index.read_map(f, ["id"])
             yield from m["id"].to_pylist()
     except BaseException:
-        from launcher.ledger import idmap
-
         idmap.discard(staged)
         raise
 
