@@ -385,7 +385,6 @@ def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch
     assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
 
 
-
 @pytest.mark.parametrize("then", ["the source grew", "a failed shard is rerun", "the shard table is cut short"])
 def test_a_map_file_cut_short_is_planned_afresh_with_a_warning(tmp_path, monkeypatch, caplog, then):
     """A map file the listing shows but that is damaged inside (cut to half its bytes) never stops a run with a
