@@ -1828,3 +1828,64 @@ def test_a_parquet_row_whose_text_is_not_utf8_is_a_bad_row_not_an_unreadable_fil
     )
     good = pa.RecordBatch.from_pydict({"prompt": ["a", "b"]})
     assert rows_of(good) == [{"prompt": "a"}, {"prompt": "b"}]
+
+
+def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_path, monkeypatch, caplog):
+    """DESIGN and globs.py: globs mean what Python's glob means, each file listed once under the first of its paths
+    in sorted order (a symlink, a folder link, a hard link), relative globs stay relative, and a folder link back
+    to a folder it is inside is refused naming the link, as `**` would never end."""
+    import glob
+    import logging
+    import os
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts import source_files
+
+    g = tmp_path / "g"
+    for f in ("top.txt", "a/one.txt", "c/two.txt"):
+        (g / f).parent.mkdir(parents=True, exist_ok=True)
+        (g / f).write_text(f"a prompt from {f}\n")
+    (g / "a" / "link.txt").symlink_to(g / "c" / "two.txt")
+    (g / "e").symlink_to(g / "c")  # a second path to a folder: no loop
+    os.link(g / "top.txt", g / "a" / "hard.txt")
+
+    def first_paths(paths):  # the contract's words: each file once, under the first of its paths in sorted order
+        seen = {}
+        for p in sorted(paths):
+            st = os.stat(p)
+            seen.setdefault((st.st_dev, st.st_ino), p)
+        return sorted(seen.values())
+
+    want = first_paths(glob.glob(f"{g}/**/*.txt", recursive=True))
+    assert want == [f"{g}/a/hard.txt", f"{g}/a/link.txt", f"{g}/a/one.txt"]  # the fixture reaches every kind
+    with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
+        assert source_files(f"{g}/**/*.txt") == want
+    assert f"{g}/c/two.txt is {g}/a/link.txt under another name: read once" in caplog.text
+    monkeypatch.chdir(g)
+    assert source_files("*/*.txt") == first_paths(glob.glob("*/*.txt")) == ["a/hard.txt", "a/link.txt", "a/one.txt"]
+    (g / "a" / "up").symlink_to("..")  # back to g
+    with pytest.raises(ConfigError, match=f"dataset.path {g}/\\*\\*/\\*.txt: {g}/a/up leads back to {g}, a folder"):
+        source_files(f"{g}/**/*.txt")
+    with pytest.raises(ConfigError, match=f"{g}/a/up leads back to {g}"):  # a ** reached through a *
+        source_files(f"{g}/*/**/*.txt")
+    assert source_files(f"{g}/a/up/a/*.txt") == [f"{g}/a/up/a/hard.txt", f"{g}/a/up/a/link.txt", f"{g}/a/up/a/one.txt"]
+
+
+def test_objects_of_one_size_time_and_etag_are_listed_once(s3):
+    """globs.py: on an object store, two objects with one size, time and ETag are one file, listed under the first
+    path; an object of the same size and time but other bytes is another file (its ETag, a HEAD request, differs)."""
+    import pyarrow.fs as pafs
+
+    from launcher.ledger.globs import once_each
+    from launcher.ledger.store import Store
+
+    store = Store("s3://meshgen-test/once")
+    for name, data in (("a.txt", b"same"), ("b.txt", b"same"), ("c.txt", b"diff"), ("d.txt", b"other size")):
+        store.write_bytes(name, data)
+    found = [f"meshgen-test/once/{n}" for n in ("a.txt", "b.txt", "c.txt", "d.txt")]
+    at = 1_700_000_000_000_000_000
+    infos = {f: pafs.FileInfo(f, pafs.FileType.File, mtime_ns=at, size=4) for f in found[:3]}
+    infos[found[3]] = pafs.FileInfo(found[3], pafs.FileType.File, mtime_ns=at, size=10)
+    assert once_each(found, infos, store.fs, "s3://") == [found[0], found[2], found[3]]
+    assert once_each(found, {**infos, found[1]: pafs.FileInfo(found[1], pafs.FileType.File, mtime_ns=at + 1, size=4)},
+                     store.fs, "s3://") == found  # fmt: skip
