@@ -1889,3 +1889,101 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(s3):
     assert once_each(found, infos, store.fs, "s3://") == [found[0], found[2], found[3]]
     assert once_each(found, {**infos, found[1]: pafs.FileInfo(found[1], pafs.FileType.File, mtime_ns=at + 1, size=4)},
                      store.fs, "s3://") == found  # fmt: skip
+
+
+def test_bounds_at_their_edges_and_each_refusal_line_whole():
+    """DESIGN: a prompt at most 64 KiB of UTF-8 (counted in bytes: 16,384 four-byte characters are exactly 64 KiB),
+    steps 1..1000 and guidance finite in 0..100 by whatever path, and `model.call_kwargs` holding only plain values
+    within the same bounds; each refusal is one whole line naming the key and the fix."""
+    from launcher.ledger.bounds import call_kwargs_problem, config_problems, number_problem, text_problem
+    from launcher.ledger.row_checks import id_problem, line_problem
+
+    four = "\U0001f600"  # 4 bytes of UTF-8
+    assert text_problem("p", four * 16384) is None and text_problem("p", "a" * 65536) is None
+    assert text_problem("p", "a" * 65535 + "é") == (
+        "p is 65537 bytes of UTF-8, more than the 65536 (64 KiB) a prompt may hold; shorten it: the text encoder "
+        "reads only its first generate.max_sequence_length tokens anyway"
+    )
+    assert text_problem("p", four * 16385).startswith("p is 65540 bytes of UTF-8")
+    assert number_problem("guidance_scale", 101) == "must be a finite number from 0 to 100"
+    assert number_problem("true_cfg_scale", -1) == "must be a finite number from 0 to 100"
+    assert number_problem("num_inference_steps", 1000) is None and number_problem("some_knob", 1e9) is None
+    g = type(
+        "G", (), {"num_inference_steps": 0, "guidance_scale": 1.0, "max_sequence_length": 1, "images_per_prompt": 1}
+    )
+    assert config_problems(g) == ["generate.num_inference_steps=0 must be an integer from 1 to 1000"]
+    g.num_inference_steps = 1
+    assert config_problems(g) == []
+
+    assert call_kwargs_problem({"knob": [1, "x" * 65537]}) == (
+        "model.call_kwargs.knob is 65537 bytes of UTF-8, more than the 65536 (64 KiB) a prompt may hold; shorten "
+        "it: the text encoder reads only its first generate.max_sequence_length tokens anyway"
+    )
+    assert call_kwargs_problem({"true_cfg_scale": 1e3}) == (
+        "model.call_kwargs.true_cfg_scale=1000.0 must be a finite number from 0 to 100"
+    )
+    assert call_kwargs_problem({"knob": "short", "n": 7, "on": True, "off": None, "many": [1, "two", False]}) is None
+    assert call_kwargs_problem({"knob": {"a": 1}}) == (
+        "model.call_kwargs.knob={'a': 1} is not a plain value; give text, a number, true/false or a list of those "
+        "(the record must hold what the pipeline is called with)"
+    )
+
+    assert id_problem("a" * 200, "id") is None
+    assert id_problem("a" * 201, "id") == (
+        "the id ('id') is 201 bytes of UTF-8, more than the 200 a file name can take; use a shorter id (e.g. a hash "
+        "of it)"
+    )
+    assert line_problem(10**6) == (
+        "the line is longer than 1024 KiB (a prompt may hold 64 KiB); fix or remove that line"
+    )
+
+
+def test_liveness_edges_each_lock_watched_apart_and_the_pid_space_read_from_proc(tmp_path, monkeypatch):
+    """liveness.py at its edges: bytes unchanged for exactly STALE_S of the watcher's clock are dead (a lock is
+    dead once unchanged *for* stale_s), as is a first look whose age by the store's clock is exactly stale_s; each
+    lock is remembered apart; a lock released and written again is looked at afresh; a lock gone between its read
+    and its time is no holder; a record that is not an object is none; the pid space is this boot's and pid
+    namespace's, read from /proc."""
+    import os
+
+    from launcher.ledger import liveness
+    from launcher.ledger.store import Store
+
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert liveness._pid_space() == f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    assert liveness.pid_alive(os.getpid()) is True
+
+    store, a, b = Store(tmp_path), "locks/worker-00000.json", "locks/worker-00001.json"
+    clock = [1000.0]
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(liveness, "_seen", {})
+    rec = {"host": "h", "pid": 12345, "run_id": "r", "beat": 1}
+    for rel in (a, b):
+        store.write_bytes(rel, json.dumps({**rec, "rel": rel}).encode())
+    assert liveness.watch(store, a, 60)[1] and liveness.watch(store, b, 60)[1]
+    clock[0] += 100
+    assert liveness.watch(store, a, 60)[1] is False  # b's bytes are not a rewrite of a
+    store.delete(a)
+    assert liveness.watch(store, a, 60) == (None, False)
+    store.write_bytes(a, json.dumps({**rec, "rel": a}).encode())  # the same bytes again, just written
+    assert liveness.watch(store, a, 60)[1] is True
+
+    store.write_bytes(a, json.dumps({**rec, "beat": 2}).encode())
+    assert liveness.watch(store, a, 60)[1] is True  # rewritten: watched from this moment on
+    clock[0] += 60
+    assert liveness.watch(store, a, 60)[1] is False  # unchanged for exactly 60 s
+
+    monkeypatch.setattr(liveness, "_seen", {})
+    monkeypatch.setattr(store, "now", lambda: 5000.0)
+    monkeypatch.setattr(store, "mtime", lambda rel: 5000.0 - 30)  # a first look: 30 s old by the store's clock
+    assert liveness.watch(store, b, 60)[1] is True
+    clock[0] += 31  # 61 s since it was written, by the watcher's clock from then on
+    assert liveness.watch(store, b, 60)[1] is False
+    monkeypatch.setattr(liveness, "_seen", {})
+    monkeypatch.setattr(store, "mtime", lambda rel: 5000.0 - 60)
+    assert liveness.watch(store, b, 60)[1] is False  # exactly 60 s old
+    monkeypatch.setattr(liveness, "_seen", {})
+    monkeypatch.setattr(store, "mtime", lambda rel: None)  # released between the read and its time
+    assert liveness.watch(store, b, 60) == ({**rec, "rel": b}, False)
+    store.write_bytes(b, b"[1, 2]")
+    assert liveness.watch(store, b, 60) == (None, False)
