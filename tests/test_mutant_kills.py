@@ -1842,7 +1842,7 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
     from launcher.ledger.prompts import source_files
 
     g = tmp_path / "g"
-    for f in ("top.txt", "a/one.txt", "c/two.txt"):
+    for f in ("top.txt", "a/one.txt", "c/two.txt", "a/.dot.txt", ".h/hidden.txt"):
         (g / f).parent.mkdir(parents=True, exist_ok=True)
         (g / f).write_text(f"a prompt from {f}\n")
     (g / "a" / "link.txt").symlink_to(g / "c" / "two.txt")
@@ -1860,6 +1860,9 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
     assert want == [f"{g}/a/hard.txt", f"{g}/a/link.txt", f"{g}/a/one.txt"]  # the fixture reaches every kind
     with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
         assert source_files(f"{g}/**/*.txt") == want
+    for pattern in ("*/two.txt", "*/.*.txt", ".*/*.txt", "[a-c]/*.txt"):  # a plain part after a glob; "." names
+        assert source_files(f"{g}/{pattern}") == first_paths(glob.glob(f"{g}/{pattern}")), pattern
+    assert source_files(f"{g}/*/two.txt") == [f"{g}/c/two.txt"]  # e/two.txt is the same file
     assert f"{g}/c/two.txt is {g}/a/link.txt under another name: read once" in caplog.text
     monkeypatch.chdir(g)
     assert source_files("*/*.txt") == first_paths(glob.glob("*/*.txt")) == ["a/hard.txt", "a/link.txt", "a/one.txt"]
