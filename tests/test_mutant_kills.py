@@ -603,6 +603,8 @@ def test_split_takes_a_shards_accepted_rows_and_records_each_set_aside_row_where
         ("s3://b/d/**/*.parquet", "s3://b/dX", False),
         ("s3://b/my data/**/*.parquet", "s3://b/my data/out", True),  # a space is part of a key
         ("s3://b/d?endpoint_override=http://h:9000", "s3://b/d/out", True),  # a folder's query is not its name
+        ("s3://b/d/", "s3://b/d/out", True),  # a folder named with its trailing "/"
+        ("s3://b/d?endpoint_override=http://h:9000/?x", "s3://b/d/out", True),  # the query from the first "?"
         ("s3://b/d/**/*.parquet", "s3://b/d/out", True),
         ("s3://b/d/**/*.parquet?endpoint_override=x", "s3://b/d/out/", True),  # query and trailing "/" dropped
         ("s3://b/d/**/*.parquet", "gs://b/d/out", False),  # another store
