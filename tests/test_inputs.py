@@ -215,6 +215,7 @@ def _tree(root: Path) -> None:
 
 
 PATTERNS = ["*/*.txt", "**/*.txt", "a/**/*.txt", "*.txt", "**/b/*.txt", "a/*/*.txt", "[ac]/*.txt", "?/b/**/*.txt"]
+PATTERNS += ["*/two.txt"]  # a plain part after a glob: looked up, not listed
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -1876,9 +1876,11 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
     assert source_files(f"{g}/a/up/a/*.txt") == [f"{g}/a/up/a/hard.txt", f"{g}/a/up/a/link.txt", f"{g}/a/up/a/one.txt"]
 
 
-def test_objects_of_one_size_time_and_etag_are_listed_once(s3):
+def test_objects_of_one_size_time_and_etag_are_listed_once(s3, caplog):
     """globs.py: on an object store, two objects with one size, time and ETag are one file, listed under the first
     path; an object of the same size and time but other bytes is another file (its ETag, a HEAD request, differs)."""
+    import logging
+
     import pyarrow.fs as pafs
 
     from launcher.ledger.globs import once_each
@@ -1891,7 +1893,14 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(s3):
     at = 1_700_000_000_000_000_000
     infos = {f: pafs.FileInfo(f, pafs.FileType.File, mtime_ns=at, size=4) for f in found[:3]}
     infos[found[3]] = pafs.FileInfo(found[3], pafs.FileType.File, mtime_ns=at, size=10)
-    assert once_each(found, infos, store.fs, "s3://") == [found[0], found[2], found[3]]
+    with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
+        assert once_each(found, infos, store.fs, "s3://") == [found[0], found[2], found[3]]
+    assert f"dataset.path: s3://{found[1]} has the content of s3://{found[0]}: read once" in caplog.text
+    assert once_each(found[:2], infos, store.fs, "s3://") == found[:1]  # a pair alike
+    # No listing's info: each object's is asked for. a and b were written within the same second or not (the
+    # store's times have whole seconds): b is dropped exactly when they were.
+    got, times = once_each(found, {}, store.fs, "s3://"), [store.fs.get_file_info(f).mtime for f in found[:2]]
+    assert got == ([found[0], found[2], found[3]] if times[0] == times[1] else found)
     assert once_each(found, {**infos, found[1]: pafs.FileInfo(found[1], pafs.FileType.File, mtime_ns=at + 1, size=4)},
                      store.fs, "s3://") == found  # fmt: skip
 
@@ -1913,11 +1922,18 @@ def test_bounds_at_their_edges_and_each_refusal_line_whole():
     assert number_problem("guidance_scale", 101) == "must be a finite number from 0 to 100"
     assert number_problem("true_cfg_scale", -1) == "must be a finite number from 0 to 100"
     assert number_problem("num_inference_steps", 1000) is None and number_problem("some_knob", 1e9) is None
+    assert number_problem("some_knob", float("inf")) == "must be a finite number"  # a key of no bounds: finite
     g = type(
         "G", (), {"num_inference_steps": 0, "guidance_scale": 1.0, "max_sequence_length": 1, "images_per_prompt": 1}
     )
     assert config_problems(g) == ["generate.num_inference_steps=0 must be an integer from 1 to 1000"]
-    g.num_inference_steps = 1
+    g.num_inference_steps, g.guidance_scale, g.max_sequence_length, g.images_per_prompt = 1, 101.0, 0, 10_001
+    assert config_problems(g) == [
+        "generate.guidance_scale=101.0 must be a finite number from 0 to 100",
+        "generate.max_sequence_length=0 must be an integer from 1 to 4096",
+        "generate.images_per_prompt=10001 must be an integer from 1 to 10000",
+    ]
+    g.guidance_scale, g.max_sequence_length, g.images_per_prompt = 100.0, 4096, 10_000
     assert config_problems(g) == []
 
     assert call_kwargs_problem({"knob": [1, "x" * 65537]}) == (
