@@ -75,9 +75,8 @@ class Index:
             yield from pq.ParquetFile(self._open(self.files[f]["map"])).iter_batches()
 
     def map_file(self, f: str) -> pq.ParquetFile:
-        """`f`'s map, its footer read; read it inside `reading(index.files[f]["map"])`."""
-        with reading(self.files[f]["map"]):
-            return pq.ParquetFile(self._open(self.files[f]["map"]))
+        """`f`'s map, its footer read: open it, and read it, inside `reading(index.files[f]["map"])`."""
+        return pq.ParquetFile(self._open(self.files[f]["map"]))
 
     def read_shards(self) -> tuple[np.ndarray, np.ndarray, list]:
         if not self.data.get("shards"):

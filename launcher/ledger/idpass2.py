@@ -107,8 +107,8 @@ def _holds(entry: dict, wanted: set[int]) -> bool:
 def _map(index: idmap.Index, f: str, columns: list[str], values: pa.Array) -> pa.Table:
     """The map rows of `f` whose shard is in `values`: its shard column read whole, then only the row groups (one
     per batch planned) that hold such rows, since a shard's ids sit together in its file."""
-    pf = index.map_file(f)
     with idmap.reading(index.files[f]["map"]):
+        pf = index.map_file(f)
         hit = np.flatnonzero(pc.is_in(pf.read(columns=["shard"])["shard"], value_set=values).to_numpy(False))
         ends = np.cumsum([pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
         groups = np.unique(np.searchsorted(ends, hit, side="right")).tolist()
