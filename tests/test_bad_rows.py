@@ -281,6 +281,33 @@ SKIP_JOB = (
 )
 
 
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_shard_whose_rows_are_all_set_aside_is_an_empty_shard_of_the_plan(tmp_path, ids):
+    """DESIGN, `dataset.bad_rows=skip`: a set-aside row is never generated. Shards of 2 rows, the middle shard's
+    two rows both bad: the plan file still holds that shard, with no row (the worker marks it done with none),
+    and the shards on either side their good rows, with or without an id column."""
+    from launcher.config import load_config
+    from launcher.ledger.plan import PlanFile, make_plan, write_plan_file
+    from launcher.ledger.store import Store
+
+    src = tmp_path / "p.jsonl"
+    rows = [{"id": f"r{i}", "prompt": None if i in (2, 3) else f"prompt {i}"} for i in range(6)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = [f"dataset.path={src}", "dataset.bad_rows=skip", "run.shard_size=2", f"output.dir={tmp_path / 'out'}"]
+    cfg = load_config("tiny", ["model.path=org/model", *job, *(["dataset.id_column=id"] if ids else [])])
+    plan = make_plan(cfg, {})
+    # the contract's sample ids: the id column's values, else each row's number in the source
+    assert [r["id"] for r in plan.rejected] == (["r2", "r3"] if ids else ["2", "3"])
+    store = Store(tmp_path / "scratch")
+    write_plan_file(store, "plan.arrow", cfg, plan)
+    file = PlanFile(store, "plan.arrow")
+    shards = {i: [(r["id"], r["prompt"]) for r in file.shard(i).rows] for i in file.selected}
+    if ids:  # shards of ids: the good ids fill shards in turn, and no shard is left empty
+        assert shards == {0: [("r0", "prompt 0"), ("r1", "prompt 1")], 1: [("r4", "prompt 4"), ("r5", "prompt 5")]}
+    else:  # shards of rows by position: the middle one keeps its place, empty
+        assert shards == {0: [("0", "prompt 0"), ("1", "prompt 1")], 1: [], 2: [("4", "prompt 4"), ("5", "prompt 5")]}
+
+
 def test_skip_sets_aside_one_percent_bad_rows_and_generates_every_good_row_once(tiny_model, tmp_path, monkeypatch):
     from launcher.config import load_config
     from launcher.ledger.plan import make_plan, write_plan_file

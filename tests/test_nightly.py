@@ -233,6 +233,21 @@ def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
     assert nights.reads == [[0, 199]]
 
 
+def test_a_failed_shard_whose_ids_all_left_the_source_plans_no_row(tmp_path, monkeypatch):
+    """DESIGN: with an id column a shard's ids are fixed when it is first planned, and a deleted row changes no
+    other shard. Shard 1 (p004-p007) failed, then its four rows left the source: the rerun's plan file holds shard
+    1 with no row, and shard 2 keeps its own."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    nights.states[1] = {"status": "failed"}
+    write(src, [*ROWS[:4], *ROWS[8:]])
+    plan, _ = nights.plan()
+    assert plan.selected == [1]
+    assert nights.rows(plan, 1) == []
+
+
 @pytest.mark.parametrize("how", ["a byte-order mark", "no line end at its old end"])
 def test_a_grown_file_with_an_unusual_start_or_end_is_read_whole(tmp_path, monkeypatch, how):
     src = tmp_path / "a.jsonl"

@@ -245,8 +245,7 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
     src = replace(source(cfg, sizes), late=plan.late)
     with store.open_output(rel) as out, pa.ipc.new_file(out, schema) as writer:
         for _, table in tables or ():
-            empty = pa.RecordBatch.from_pylist([], schema=schema)
-            writer.write_batch(table.select(schema.names).combine_chunks().to_batches()[0] if table else empty)
+            writer.write_batch(table.select(schema.names).combine_chunks().to_batches()[0] if table else _empty(schema))
         for i, rows, _ in () if tables is not None else shard_tables(src, cfg.run.shard_size, cfg.dataset.limit):
             if i in wanted:
                 table = rejected_mod.split(rows, i, cfg.run.shard_size)[0]
@@ -255,10 +254,16 @@ def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | N
                         f"the prompt source {cfg.dataset.path} changed while this run was planned (shard {i}); "
                         "run the same command again once it is complete"
                     )
-                empty = pa.RecordBatch.from_pylist([], schema=table.schema)  # all its rows set aside (skip)
-                writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else empty)
+                # no rows: all of them set aside (dataset.bad_rows=skip)
+                writer.write_batch(table.combine_chunks().to_batches()[0] if table.num_rows else _empty(table.schema))
             if i >= last:
                 break
+
+
+def _empty(schema: pa.Schema) -> pa.RecordBatch:
+    """A batch of no rows, built without a Python list: pyarrow imports pandas at its first list conversion (even
+    of an empty one), 0.4-0.9 s of a launcher that otherwise never needs it."""
+    return pa.RecordBatch.from_arrays([pa.nulls(0, f.type) for f in schema], schema=schema)
 
 
 def tidy(store: Store, lock) -> None:
