@@ -43,6 +43,17 @@ SLOW_FIRST = (
 ).split()
 
 
+def pytest_configure(config) -> None:
+    """A mutant's tests run in a process forked from mutmut's (make mutants), as do all the others': tqdm's default
+    write lock is a multiprocessing lock shared by every such process, and one killed holding it (a timeout mid-bar)
+    left it held for good, so that every later mutant whose tests draw a bar hung to its timeout (a whole room's
+    worth judged "timeout" after the first). Each of those processes gets a lock of its own."""
+    if os.environ.get("MUTANT_UNDER_TEST"):
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     if os.environ.get("MUTANT_UNDER_TEST"):  # a mutant's tests (make mutants), run until the first that fails
         durations = _mutmut_durations()

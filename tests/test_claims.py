@@ -62,7 +62,9 @@ def test_a_second_lock_names_the_holder(tmp_path):
     with RunLock(store, 0, "first"):
         with pytest.raises(LockHeld, match=r"workers.index=0.*pid \d+"):
             RunLock(store, 0, "second").acquire()
-        RunLock(store, 1, "other-index").acquire()  # other worker indexes never block each other
+        other = RunLock(store, 1, "other-index")
+        other.acquire()  # other worker indexes never block each other
+        other.release()  # its heartbeat thread and flock end with the test
 
 
 def test_exclusive_create_never_shows_a_partial_file(tmp_path):

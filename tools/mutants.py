@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", action="store_true", help="only print the counts of the last runs")
     parser.add_argument("--survivors", action="store_true", help="only list the room's surviving mutants")
     args = parser.parse_args(argv)
+    # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     room = args.room or "all"
     if room != "all" and room not in ROOMS:
         print(f"error: no room {room!r}: ROOM must be one of {', '.join(ROOMS)} or all", file=sys.stderr)
