@@ -2008,3 +2008,70 @@ def test_liveness_edges_each_lock_watched_apart_and_the_pid_space_read_from_proc
     assert liveness.watch(store, b, 60) == ({**rec, "rel": b}, False)
     store.write_bytes(b, b"[1, 2]")
     assert liveness.watch(store, b, 60) == (None, False)
+
+
+def test_an_object_store_lock_beats_survives_an_error_and_stops_its_run_once_taken_over(s3, monkeypatch, caplog):
+    """DESIGN: on an object store the lock is rewritten by its holder every HEARTBEAT_S; a holder that finds its
+    lock taken over stops (SIGTERM to itself, as a stop would) and writes nothing more. A store error at one beat is
+    a warning, and the next beat writes again."""
+    import threading
+
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.store import Store
+
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.01)
+    stopped = threading.Event()
+    kills = []
+    monkeypatch.setattr(lock_mod.os, "kill", lambda pid, sig: (kills.append((pid, sig)), stopped.set()))
+    store = Store("s3://meshgen-test/beats")
+    held = lock_mod.RunLock(store, 2, "run-a")
+    held.acquire()
+    try:
+        _beats_then_stops(held, store, kills, stopped, monkeypatch, caplog)
+    finally:  # a failed check leaves no heartbeat running behind the test
+        held.release()
+
+
+def _beats_then_stops(held, store, kills, stopped, monkeypatch, caplog) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from launcher.ledger import lock as lock_mod
+
+    def beat() -> int:
+        return (lock_mod.read_lock(store, 2) or {}).get("beat", 0)
+
+    def wait_for(predicate) -> None:
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+
+    wait_for(lambda: beat() >= 3)  # it beats
+    real, failed = store.write_bytes, threading.Event()
+
+    def fail_once(rel, data):
+        if not failed.is_set():
+            failed.set()
+            raise OSError("the store is away\nsecond line")
+        return real(rel, data)
+
+    monkeypatch.setattr(store, "write_bytes", fail_once)
+    with caplog.at_level("WARNING", logger=lock_mod.logger.name):
+        wait_for(failed.is_set)
+        after = beat()
+        wait_for(lambda: beat() > after)  # the next beat writes again
+    assert f"could not refresh the lock {lock_mod.lock_rel(2, store)}: the store is away" in caplog.text
+    assert "second line" not in caplog.text and kills == []
+    taken = {**lock_mod.read_lock(store, 2), "run_id": "run-b", "beat": 1}
+    real(lock_mod.lock_rel(2, store), json.dumps(taken).encode())  # another launcher took it over
+    with caplog.at_level("ERROR", logger=lock_mod.logger.name):
+        assert stopped.wait(60)
+    assert kills == [(os.getpid(), signal.SIGTERM)]
+    assert f"lost the lock {lock_mod.lock_rel(2, store)} to another run; stopping" in caplog.text
+    held._beating.join(timeout=60)
+    assert not held._beating.is_alive() and lock_mod.read_lock(store, 2) == taken  # it wrote nothing more
+    held.release()
+    assert lock_mod.read_lock(store, 2) == taken  # a lock taken over is not its to delete
