@@ -2075,3 +2075,47 @@ def _beats_then_stops(held, store, kills, stopped, monkeypatch, caplog) -> None:
     assert not held._beating.is_alive() and lock_mod.read_lock(store, 2) == taken  # it wrote nothing more
     held.release()
     assert lock_mod.read_lock(store, 2) == taken  # a lock taken over is not its to delete
+
+
+def test_a_lock_that_cannot_be_cleared_or_removed_is_released_with_a_warning(tmp_path, s3, monkeypatch, caplog):
+    """A release never fails the end of a run: on disk, a record that cannot be emptied (the folder remounted
+    read-only) is a warning naming the lock, and the flock goes all the same (the next run takes the lock); on an
+    object store, a lock object that cannot be deleted is a one-line warning (its heartbeat has stopped: the next run
+    takes it over once stale). Released, neither is held any more."""
+    import errno
+
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.store import Store
+
+    disk = Store(tmp_path)
+    held = lock_mod.RunLock(disk, 0, "run-a")
+    held.acquire()
+
+    def read_only(fd, length):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(lock_mod.os, "ftruncate", read_only)
+    with caplog.at_level("WARNING", logger=lock_mod.logger.name):
+        held.release()
+    assert "could not clear the lock locks/worker-00000.lock: [Errno 30] Read-only file system" in caplog.text
+    holder, alive = lock_mod.look(disk, 0)  # its record stays, and the kernel says nobody holds it
+    assert holder["run_id"] == "run-a" and not alive
+    monkeypatch.undo()
+    with lock_mod.RunLock(disk, 0, "run-b") as second:  # the flock went with the release
+        assert second.held()
+    assert not second.held()  # released and cleared
+
+    store = Store("s3://meshgen-test/release")
+    held = lock_mod.RunLock(store, 1, "run-c")
+    held.acquire()
+
+    def refused(rel):
+        raise OSError("access denied\nrequest id 42")
+
+    monkeypatch.setattr(store, "delete", refused)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=lock_mod.logger.name):
+        held.release()
+    assert f"could not remove the lock {lock_mod.lock_rel(1, store)}: access denied" in caplog.text
+    assert "request id" not in caplog.text and lock_mod.read_lock(store, 1)["run_id"] == "run-c"
+    assert not held._beating.is_alive()  # its heartbeat stopped: the lock goes stale
