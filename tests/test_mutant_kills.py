@@ -2119,3 +2119,71 @@ def test_a_lock_that_cannot_be_cleared_or_removed_is_released_with_a_warning(tmp
     assert f"could not remove the lock {lock_mod.lock_rel(1, store)}: access denied" in caplog.text
     assert "request id" not in caplog.text and lock_mod.read_lock(store, 1)["run_id"] == "run-c"
     assert not held._beating.is_alive()  # its heartbeat stopped: the lock goes stale
+
+
+def test_a_lock_on_a_store_that_refuses_writes_is_exit_3_with_one_line_and_other_errors_propagate(
+    tmp_path, monkeypatch
+):
+    """DESIGN exit codes: an output folder that refuses the run's first writes is exit 3, nothing lost, one line
+    that says how to finish; an error that is no refusal (an I/O error) is not dressed up as one."""
+    import errno
+
+    from launcher.errors import OutputRefused
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path / "out")
+
+    def refusing(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system\nmore")
+
+    monkeypatch.setattr(lock_mod.os, "open", refusing)
+    with pytest.raises(OutputRefused) as e:
+        lock_mod.RunLock(store, 0, "run-a").acquire()
+    assert e.value.exit_code == 3 and str(e.value) == (
+        f"{store} refuses writes ([Errno 30] Read-only file system): its lock cannot be taken; make it writable "
+        "again and run the same command to finish"
+    )
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(lock_mod.os, "open", broken)
+    with pytest.raises(OSError) as e:
+        lock_mod.RunLock(store, 0, "run-a").acquire()
+    assert e.type is OSError and e.value.errno == errno.EIO
+
+
+def test_an_object_store_lock_of_a_dead_run_is_taken_over_and_a_takeover_lost_meanwhile_is_refused(s3, monkeypatch):
+    """DESIGN: a lock whose holder is a dead process of this very machine is taken over at once (write, wait, read
+    back); of two launchers taking over at once the one whose record is read back wins, and the other exits 4 naming
+    it, with '?' for what its record does not say."""
+    import socket
+
+    from launcher.errors import LockHeld
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.store import Store
+
+    store = Store("s3://meshgen-test/takeover")
+    rel = lock_mod.lock_rel(0, store)
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_space": lock_mod.PID_SPACE, "run_id": "dead"}
+    store.write_bytes(rel, json.dumps(dead).encode())
+    waits = []
+    monkeypatch.setattr(lock_mod.time, "sleep", waits.append)
+    with lock_mod.RunLock(store, 0, "run-a") as taker:
+        assert waits == [2] and lock_mod.read_lock(store, 0)["run_id"] == "run-a" and taker.held()
+
+    store.write_bytes(rel, json.dumps(dead).encode())
+    rival = {"run_id": "rival"}  # another launcher's record, read back after the wait: it names nothing else
+
+    def rival_writes(seconds):
+        store.write_bytes(rel, json.dumps(rival).encode())
+
+    monkeypatch.setattr(lock_mod.time, "sleep", rival_writes)
+    with pytest.raises(LockHeld) as e:
+        lock_mod.RunLock(store, 0, "run-b").acquire()
+    assert e.value.exit_code == 4 and str(e.value) == (
+        f"another run is active on {store} (workers.index=0): host ?, pid ?, started ?; wait for it to finish or "
+        "stop it"
+    )
+    assert lock_mod.read_lock(store, 0) == rival  # the loser writes nothing more
