@@ -161,6 +161,9 @@ class TestingConfig:
     # seconds each batch takes longer, asleep (fault tests: a run slow enough to act on mid-run, like a slow chip,
     # without burning the CPU that the other tests run on)
     batch_sleep_s: float = 0.0
+    # each batch waits, once generated, until this file exists (race tests: a run that holds its lock and its
+    # workers while another launch tries the folder, then finishes at full speed)
+    hold_batches_until: str | None = None
 
 
 @dataclass

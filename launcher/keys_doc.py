@@ -120,6 +120,7 @@ DESCRIPTIONS: dict[str, str] = {
     "testing.hold_after_ledger_read": "The launcher waits after reading the ledger until this file exists "
     "(race tests).",
     "testing.batch_sleep_s": "Seconds each batch sleeps (fault tests: a slow chip without burning CPU), 0..60.",
+    "testing.hold_batches_until": "Each batch, once generated, waits until this file exists (race tests).",
 }
 
 # Keys with a fixed set of values (the preflight refuses any other: launcher/host/checks.py).

@@ -202,6 +202,7 @@ LEFT_OUT = {
     "testing.compile_backend": "aot_eager",
     "testing.hold_after_ledger_read": "/tmp/never",
     "testing.batch_sleep_s": "0.5",
+    "testing.hold_batches_until": "/tmp/never",
     "dataset.image_column": "picture",  # the references' content hashes are in each shard's prompt fingerprint
 }
 # model.loras is fingerprinted by its files' content: test_loras_are_fingerprinted_by_content_and_scale.

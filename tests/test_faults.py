@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LAUNCH, SLOW_N, file_snapshot, first_shards, launch, read_rows, shifted_clock
+from conftest import LAUNCH, SLOW_N, file_snapshot, first_shards, launch, read_rows, shifted_clock, unslowed
 
 N = SLOW_N
 
@@ -130,18 +130,24 @@ def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean
 
     # The same command finishes it. Its host clock runs 90 s ahead, and a second launch meanwhile is refused:
     # liveness never compares two hosts' clocks.
-    # The second launch starts first and waits, its interpreter up and the ledger read, until the finishing run's
-    # workers are up: then it only has to reach the lock (on a loaded host, starting from nothing took longer than
-    # the shards that were left). testing.* is not fingerprinted: slower batches leave it more time still.
-    go = tmp_path / "go"
+    # The second launch starts first and waits, its interpreter up and the ledger read, until the finishing run
+    # holds the lock and its workers hold their first batch: then it only has to reach the lock (on a loaded host,
+    # starting from nothing took longer than the shards that were left). Once it is refused, the finishing run
+    # goes on at full speed. testing.* is not fingerprinted.
+    go, batches = tmp_path / "go", tmp_path / "batches"
     second = start(*job, f"output.dir={out}", f"testing.hold_after_ledger_read={go}")
     wait_for(lambda: Path(f"{go}.waiting").exists())
-    last = start(*job, f"output.dir={out}", "testing.batch_sleep_s=1.0", env=shifted_clock(tmp_path, 90))
-    wait_for(lambda: len(workers_of(out)) == 2)
+    held = done_count(out)
+    last = start(
+        *unslowed(job), f"output.dir={out}", f"testing.hold_batches_until={batches}", env=shifted_clock(tmp_path, 90)
+    )
+    wait_for(lambda: Path(f"{batches}.waiting").exists())
     go.touch()
     err = second.communicate(timeout=120)[1]
     assert second.returncode == 4, err[-2000:]
     assert "another run is active" in err and f"pid {last.pid}" in err
+    assert last.poll() is None and done_count(out) == held  # it held its batches until now
+    batches.touch()
     assert last.wait(timeout=120) == 0, last.stderr.read()[-2000:]
     assert_same_as_clean(out, clean)
     # The killed runs' plan files and the finished folder's empty claims/ and plans/ are gone (issue 21).

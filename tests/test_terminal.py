@@ -95,3 +95,28 @@ def test_library_warnings_once_in_a_worker_log_never_on_the_launchers_terminal()
         assert err.count("retrying in 1s") == hub_lines and err.count("ours") == 1, err
         assert "closing signal" not in err, err
         assert all(ln.startswith(f"[{who or 'rank' + rank}] ") for ln in err.splitlines()), err
+
+
+def test_rendezvous_events_keep_the_names_torch_gives_them():
+    """The launcher's cheap frame walk names a rendezvous event as torch's own `inspect.stack()` does."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as d
+
+    from launcher.logs import cheap_rendezvous_records
+
+    def names() -> tuple[str, str]:
+        def _record() -> str:  # as torch's handlers call it: from _record, on behalf of _record's caller
+            return d.get_method_name()
+
+        def next_rendezvous() -> str:
+            return _record()
+
+        return next_rendezvous(), d.get_method_name(10_000)
+
+    original = d.get_method_name
+    try:
+        torch_names = names()
+        cheap_rendezvous_records()
+        assert d.get_method_name is not original
+        assert names() == torch_names == ("next_rendezvous", "no_method_name")
+    finally:
+        d.get_method_name = original

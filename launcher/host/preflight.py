@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from launcher.testing import hold_until
 
 logger = logging.getLogger(__name__)
 
@@ -155,17 +156,8 @@ def prompts(pf: Preflight) -> None:
 
     pf.ledger = Ledger(pf.store)
     states = pf.ledger.refresh()
-    _hold(pf.cfg.testing.hold_after_ledger_read)
+    hold_until(pf.cfg.testing.hold_after_ledger_read)
     pf.plan = make_plan(pf.cfg, states, pf.sizes, pf.store)
-
-
-def _hold(path: str | None) -> None:
-    """testing.hold_after_ledger_read: say so (`path`.waiting), then wait (at most 10 minutes) until `path` exists."""
-    if path:
-        open(f"{path}.waiting", "w").close()
-    deadline = time.monotonic() + 600
-    while path and not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def fetch(pf: Preflight) -> None:

@@ -149,9 +149,10 @@ def launch_workers(args, logs: WorkerLogs | None = None, start: str = "subproces
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    from launcher.logs import quiet_torch_elastic
+    from launcher.logs import cheap_rendezvous_records, quiet_torch_elastic
 
     quiet_torch_elastic()  # after the imports that create its loggers
+    cheap_rendezvous_records()
 
     if args.standalone:  # as torch.distributed.run.run: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

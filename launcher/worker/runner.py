@@ -27,6 +27,7 @@ from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
 from launcher.ledger.sweep import n_variants, raw_sweep
 from launcher.logs import STAGE_EVENTS
+from launcher.testing import hold_until
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
 from launcher.worker.columns import carry_kept
@@ -228,6 +229,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
             new = step()
             if cfg.testing.batch_sleep_s:  # not even a sleep(0)'s yield on the real path
                 time.sleep(cfg.testing.batch_sleep_s)
+            hold_until(cfg.testing.hold_batches_until)
             carry_kept(new, shard)  # dataset.keep_columns
             if w.scorer is not None:  # before the writer takes them: its columns are the shard's
                 w.scorer.add_columns(new)
