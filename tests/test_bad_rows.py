@@ -190,8 +190,28 @@ def test_a_reference_that_would_fail_its_shard_is_refused_or_set_aside_at_planni
     assert not t.is_alive(), "planning did not end"
     assert f"{path}, line 2" in result["error"] and says in result["error"], result["error"]
     got = result["skip"]
-    assert [r["rejected"] is None for r in got] == [True, False, True] and says in got[1]["rejected"]
+    assert [r["rejected"] is None for r in got] == [True, False, True]
+    rejected = json.loads(got[1]["rejected"])  # where the row is, and why: the reason does not say where again
+    assert rejected["where"] == f"dataset {path}, line 2" and says in rejected["reason"], rejected
+    assert not rejected["reason"].startswith(("dataset", ":")), rejected
     assert got[0]["ref_sha256"] and got[2]["ref_sha256"]
+
+
+def test_an_edit_rows_output_size_the_pipeline_would_refuse_is_refused_or_set_aside_at_planning(tmp_path):
+    """The edit pipeline meets its references at the output size: under 64 px a side or past 8:1 it refuses them,
+    so planning does, naming the row, whether the size is the row's own or the config's."""
+    (tmp_path / "ok.png").write_bytes(_png((64, 64)))
+    rows = [{"prompt": "a", "image": "ok.png"}, {"prompt": "b", "image": "ok.png", "height": 64, "width": 576}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config_size = SizeRule(16, 4 * 1024 * 1024, 48, 64, 10)  # a config height of 48: the first row's, unset
+    with pytest.raises(ConfigError) as e:
+        rows_of(Source(str(path), image_column="image", sizes=config_size))
+    assert str(e.value).startswith(f"dataset {path}, line 1: ") and "64x48 here" in str(e.value), str(e.value)
+    got = rows_of(Source(str(path), image_column="image", sizes=config_size, bad_rows="skip"))
+    reasons = [json.loads(r["rejected"]) for r in got]
+    assert [r["where"] for r in reasons] == [f"dataset {path}, line 1", f"dataset {path}, line 2"], reasons
+    assert "64x48 here" in reasons[0]["reason"] and "576x64 here" in reasons[1]["reason"], reasons
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ def exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dic
             if src.bad_rows != "skip":
                 raise
             rid = str(n) if not src.id_column else r.get(src.id_column) if isinstance(r, dict) else None
-            yield rejected_row(where, n, rid if isinstance(rid, (str, int)) else None, str(e))
+            yield rejected_row(where, rid if isinstance(rid, (str, int)) else None, str(e))
 
 
 def _exact_row(where: str, r, n: int, src: Source) -> dict:

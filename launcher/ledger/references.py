@@ -161,13 +161,12 @@ class References:
     def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """With dataset.bad_rows=skip, a row whose references fail a check is rejected (launcher/ledger/rejected.py)
         rather than refused; a row rejected already reads none."""
-        from launcher.ledger.rejected import FIELD, rejected_row
+        from launcher.ledger.rejected import FIELD, rejection
 
         shas, locs, heights, widths = [], [], [], []
         names = batch.schema.names
         h_in, w_in = batch.column(names.index("height")).to_pylist(), batch.column(names.index("width")).to_pylist()
         marks = batch.column(names.index(FIELD.name)).to_pylist() if FIELD.name in names else None
-        ids = batch.column(0).to_pylist()
         for i in range(batch.num_rows):
             f, base, (where, n, value) = next(self._rows)
             h, w = h_in[i], w_in[i]
@@ -181,16 +180,17 @@ class References:
                 except ConfigError as e:
                     if marks is None:
                         raise
-                    marks[i], s, loc = rejected_row(where, 0, ids[i], str(e))["rejected"], [], []
+                    marks[i], s, loc = rejection(where, str(e)), [], []
             shas.append(" ".join(s))
             locs.append(json.dumps(loc))
             heights.append(h)
             widths.append(w)
-        cols = dict(zip(names, batch.columns, strict=True))
-        cols["height"], cols["width"] = pa.array(heights, pa.int64()), pa.array(widths, pa.int64())
+        cols = {n: batch.column(n) for n in names}
+        cols["height"], cols["width"] = pa.array(heights), pa.array(widths)
         if marks is not None:
-            cols[FIELD.name] = pa.array(marks, pa.string())
-        arrays = [cols[n] for n in names] + [pa.array(shas, pa.string()), pa.array(locs, pa.string())]
+            cols[FIELD.name] = pa.array(marks)
+        arrays = [cols[n] for n in names] + [pa.array(shas), pa.array(locs)]
+        # each column takes its type from the schema, a column of nulls too
         return pa.RecordBatch.from_arrays(arrays, schema=batch.schema.append(REF_FIELDS[0]).append(REF_FIELDS[1]))
 
 

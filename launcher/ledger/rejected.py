@@ -45,10 +45,14 @@ def rel(run_id: str) -> str:
     return f"{DIR}/{run_id}.parquet"
 
 
-def rejected_row(where: str, position: int, rid, message: str) -> dict:
+def rejected_row(where: str, rid, message: str) -> dict:
     """The stand-in of a row that failed `message` (a ConfigError's text, which starts with `where`)."""
-    reason = message.removeprefix(where).removeprefix(":").strip()
-    return {"id": None if rid is None else str(rid), "rejected": json.dumps({"where": where, "reason": reason})}
+    return {"id": None if rid is None else str(rid), "rejected": rejection(where, message)}
+
+
+def rejection(where: str, message: str) -> str:
+    """The `rejected` value of a row that failed `message`: where it is, and why, without saying where twice."""
+    return json.dumps({"where": where, "reason": message.removeprefix(where).removeprefix(":").strip()})
 
 
 def marked(b: pa.RecordBatch, at: int, late: tuple[tuple[int, str], ...]) -> pa.RecordBatch:
