@@ -470,6 +470,116 @@ def test_resuming_with_other_weights_or_settings_is_refused_naming_them_and_how_
         check_run_json(store, cfg("generate.seed=6"))
 
 
+def test_run_json_holds_the_first_config_its_fingerprint_the_shard_count_and_versions_and_grows_with_the_source(
+    tmp_path,
+):
+    """DESIGN, layout: run.json holds the resolved config, its fingerprint, the shard count and the versions. It is
+    written when the folder is new and when the source has grown (the count then, and nothing else); a run over
+    fewer shards (a lower dataset.limit) or with the same leaves it as it is."""
+    import importlib.metadata
+    import time as time_
+
+    from launcher.config import load_config
+    from launcher.ledger.runs import without_weights, write_run_json
+    from launcher.ledger.store import Store
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    _pipeline_folder(model, b"transformer weights")
+    store = Store(out)
+    cfg = lambda *o: load_config("tiny", [f"model.path={model}", "model.build=null", *o])  # noqa: E731
+    before = time_.time()
+    write_run_json(store, cfg(), 2)
+    first = json.loads((out / "run.json").read_text())
+    assert first["shards"] == 2 and first["shard_size"] == 8
+    assert first["config"] == OmegaConf.to_container(cfg()) and first["config"]["generate"]["batch_size"] == 2
+    assert len(first["fingerprint"]) >= 16 and int(first["fingerprint"], 16) >= 0  # hex
+    assert sorted(first["settings"]["model"]["weights"]) == ["transformer", "vae"]
+    for pkg in ("torch", "diffusers", "transformers"):
+        assert first["versions"][pkg] == importlib.metadata.version(pkg)
+    created = time_.mktime(time_.strptime(first["created"], "%Y-%m-%dT%H:%M:%S%z"))
+    assert before - 2 <= created <= time_.time() + 1
+    assert "model_revision" not in first  # a local folder: no hub revision
+
+    # A folder made long ago, with a mark that only a rewrite would drop
+    made = {**first, "created": "2026-01-02T03:04:05+0000", "mark": "not rewritten"}
+    (out / "run.json").write_text(json.dumps(made))
+    for n in (2, 1):  # the same source, or fewer shards of it
+        write_run_json(store, cfg("generate.batch_size=3"), n)
+        assert json.loads((out / "run.json").read_text()) == made
+    write_run_json(store, cfg("generate.batch_size=3"), 5)  # the source grew
+    grown = json.loads((out / "run.json").read_text())
+    assert grown["shards"] == 5 and grown["created"] == made["created"] and grown["config"] == first["config"]
+    assert "mark" not in grown
+
+    # Made before the weights were recorded, with 5 shards: a run over 3 records the weights, the count stays
+    (out / "run.json").write_text(json.dumps({**grown, "settings": without_weights(grown["settings"])}))
+    write_run_json(store, cfg(), 3)
+    again = json.loads((out / "run.json").read_text())
+    assert again["shards"] == 5 and again["settings"]["model"]["weights"] == first["settings"]["model"]["weights"]
+
+    # A record that lost its count (edited by hand, or older than the count) is counted again, not trusted
+    (out / "run.json").write_text(json.dumps({k: v for k, v in again.items() if k != "shards"}))
+    write_run_json(store, cfg(), 1)
+    assert json.loads((out / "run.json").read_text())["shards"] == 1
+
+
+def test_resuming_where_the_weights_are_known_on_one_side_only_is_judged_on_the_rest(tmp_path):
+    """DESIGN, run.json: a folder made before its weights were recorded, or a host that has not the model yet, is
+    judged on the other settings alone: the same ones resume, others are refused (exit 2) naming each, and the
+    weights of each changed component are named with both digests."""
+    import shutil
+
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_run_json, write_run_json
+    from launcher.ledger.store import Store
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    store = Store(out)
+    cfg = lambda *o: load_config("tiny", [f"model.path={model}", "model.build=null", *o])  # noqa: E731
+    other = r"holds a run made with other settings \(generate\.num_inference_steps: 4 -> 5; generate\.seed: 0 -> 6\); "
+    other += r"rerun with run\.overwrite=true to discard it, or choose a new output\.dir$"
+    bad = ("generate.seed=6", "generate.num_inference_steps=5")
+    write_run_json(store, cfg(), 2)  # made before this host had the weights
+    _pipeline_folder(model, b"transformer weights 1")
+    check_run_json(store, cfg())
+    with pytest.raises(ConfigError, match=other):
+        check_run_json(store, cfg(*bad))
+
+    shutil.rmtree(out)
+    write_run_json(store, cfg(), 2)  # the weights recorded; then a host without the model
+    recorded = json.loads((out / "run.json").read_text())["settings"]["model"]["weights"]
+    shutil.rmtree(model)
+    check_run_json(store, cfg())
+    with pytest.raises(ConfigError, match=other):
+        check_run_json(store, cfg(*bad))
+
+    _pipeline_folder(model, b"transformer weights 2", b"vae weights 2")  # both components' weights changed
+    with pytest.raises(ConfigError) as e:
+        check_run_json(store, cfg())
+    message = str(e.value)
+    assert f"the weights of transformer, vae changed since output.dir {out} was made (transformer: sha256 " in message
+    for c in ("transformer", "vae"):
+        shown = message.split(f"{c}: sha256 {recorded[c][:12]} -> sha256 ")[1][:12]
+        assert len(shown) == 12 and shown != recorded[c][:12], message
+    assert f"sha256 {shown}); choose" in message  # vae's the last, with nothing after it
+    assert f"; vae: sha256 {recorded['vae'][:12]} -> " in message
+    with pytest.raises(ConfigError) as e:
+        check_run_json(store, cfg(*bad))
+    also = "; other settings differ too: generate.num_inference_steps: 4 -> 5; generate.seed: 0 -> 6; choose"
+    assert also in str(e.value), str(e.value)
+    assert message.endswith("); choose a new output.dir or run.overwrite=true"), message
+    assert "other settings" not in message
+
+    shutil.rmtree(out)
+    write_run_json(store, cfg(), 2)
+    sweep = r"holds a run made with another sweep \(generate\.seed: 0 -> 6; generate\.sweep: .*\); a changed sweep, "
+    sweep += r"grown ones too, numbers its variants anew: choose a new output\.dir for it \(or run\.overwrite=true "
+    sweep += r"to discard this one\)$"
+    with pytest.raises(ConfigError, match=sweep):
+        check_run_json(store, cfg("generate.seed=6", "+generate.sweep={guidance_scale:[1.0,2.0]}"))
+
+
 def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_out():
     """A run over done shards whose prompts (or references) changed is refused naming the shards, up to five
     changed samples and how many more, and run.stale=regenerate / keep; without an id column, shifted prompts

@@ -111,6 +111,28 @@ def _hub_cache(root, repo: str, commit: str, files: dict[str, bytes]) -> None:
         link.symlink_to(os.path.relpath(folder / "blobs" / etag, link.parent))
 
 
+def test_run_json_names_the_hub_revision_its_weights_came_from(tmp_path, monkeypatch):
+    """DESIGN, run.json: a hub model is fingerprinted by its revision's etags; the revision is recorded with them."""
+    from huggingface_hub import constants
+
+    from launcher.config import load_config
+    from launcher.ledger.runs import write_run_json
+    from launcher.ledger.store import Store
+
+    files = {
+        "model_index.json": json.dumps({"transformer": ["diffusers", "X"]}).encode(),
+        "transformer/diffusion_pytorch_model.safetensors": b"t" * 100,
+    }
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _hub_cache(tmp_path / "hub", "org/model", "5eed" * 10, files)
+    cfg = load_config("tiny", ["model.path=org/model", "model.build=null"])
+    write_run_json(Store(tmp_path / "out"), cfg, 1)
+    recorded = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert recorded["model_revision"] == "5eed" * 10 and list(recorded["settings"]["model"]["weights"]) == [
+        "transformer"
+    ]
+
+
 def test_a_hub_snapshot_is_fingerprinted_by_its_etags_without_reading_a_weight(tmp_path, monkeypatch):
     from huggingface_hub import constants
 

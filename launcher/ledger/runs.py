@@ -102,11 +102,10 @@ def check_run_json(store: Store, cfg) -> None:
     if old is None or old["fingerprint"] == fingerprint_of(new):
         return
     before, now = weights_of(old["settings"]), weights_of(new)
-    if before is None or now is None:
-        if before is None and old["fingerprint"] == fingerprint_of(without_weights(new)):
-            return
-        if fingerprint_of(without_weights(old["settings"])) == fingerprint_of(without_weights(new)):
-            return
+    if (before is None or now is None) and fingerprint_of(without_weights(old["settings"])) == fingerprint_of(
+        without_weights(new)
+    ):
+        return
     diffs = settings_diff(old["settings"], new)
     changed = sorted(c for c in {*before, *now} if before.get(c) != now.get(c)) if before and now else []
     if changed:
