@@ -133,6 +133,84 @@ def test_kept_columns_keep_their_source_types(tmp_path):
     assert t.column("tags").to_pylist() == [["u"], None, None]
 
 
+def test_kept_values_stay_with_their_rows_past_read_chunks_across_files_and_in_every_format(tmp_path, monkeypatch):
+    """16 JSON lines over two files, read 4 rows at a time by the kept pass and ~100 bytes at a time by the
+    prompt pass (4,096 rows and 4 MiB in use: the same kind of boundaries, fewer rows): each row keeps its own
+    values, typed by the first file; CSV keeps text; a saved dataset over two files keeps its types; a later
+    file that lacks a kept column, or whose values do not fit the first file's types, is refused naming it."""
+    import datasets
+
+    from launcher.errors import ConfigError
+    from launcher.ledger import keep, prompts_fast
+
+    monkeypatch.setattr(keep, "_READ_ROWS", 4)
+    monkeypatch.setattr(prompts_fast, "_BLOCK", 100)  # the prompt pass reads JSON lines ~100 bytes at a time
+    (tmp_path / "j").mkdir()
+    first = [{"prompt": f"p{i}", "k": i, **({"cat": f"c{i}"} if i % 3 else {})} for i in range(11)]
+    (tmp_path / "j" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (tmp_path / "j" / "b.jsonl").write_text("".join(json.dumps({"prompt": "q", "k": i}) + "\n" for i in range(5)))
+    t = planned(tmp_path / "j" / "*.jsonl", "dataset.keep_columns=[k,cat]")
+    assert t.schema.field("k").type == pa.int64() and t.schema.field("cat").type == pa.string()
+    assert t.column("k").to_pylist() == [*range(11), *range(5)]
+    assert t.column("cat").to_pylist() == [f"c{i}" if i % 3 else None for i in range(11)] + [None] * 5
+
+    nulls = tmp_path / "nulls.jsonl"  # a column of nulls only in the first file is kept as text
+    nulls.write_text('{"prompt": "a", "note": null}\n{"prompt": "b"}\n')
+    t = planned(nulls, "dataset.keep_columns=[note]")
+    assert t.schema.field("note").type == pa.string() and t.column("note").to_pylist() == [None, None]
+    with pytest.raises(ConfigError) as e:
+        planned(nulls, "dataset.keep_columns=[note,seed,nsfw]")
+    assert str(e.value).startswith("dataset.keep_columns: 'seed' is also one of meshgen's own columns (clip_score, ")
+    assert str(e.value).endswith(", width); rename it in the source, or leave it out of the list"), str(e.value)
+
+    csv = tmp_path / "p.csv"
+    csv.write_text("prompt,n\na,1\nb,2\n")
+    t = planned(csv, "dataset.keep_columns=all")
+    assert t.schema.field("n").type == pa.string() and t.column("n").to_pylist() == ["1", "2"]
+
+    rows = [{"prompt": f"p{i}", "n": i * 10, "tag": f"t{i}"} for i in range(7)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    t = planned(tmp_path / "saved", "dataset.keep_columns=[tag,n]")
+    assert t.schema.field("n").type == pa.int64() and t.column("n").to_pylist() == [i * 10 for i in range(7)]
+    assert t.column("tag").to_pylist() == [f"t{i}" for i in range(7)]
+    datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tmp_path / "saved1"))  # one file
+    assert planned(tmp_path / "saved1", "dataset.keep_columns=[n]").column("n").to_pylist() == [0, 10]
+    with pytest.raises(ConfigError) as e:
+        planned(tmp_path / "saved", "dataset.keep_columns=[tag,nope]")
+    assert str(e.value).endswith("has no column 'nope'; columns found: prompt, n, tag"), str(e.value)
+
+    pq.write_table(pa.table({"prompt": ["a"], "n": [1]}), tmp_path / "j" / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], "n": pa.array([2], pa.int32())}), tmp_path / "j" / "b.parquet")
+    t = planned(tmp_path / "j" / "*.parquet", "dataset.keep_columns=[n]")  # int32 fits int64
+    assert t.schema.field("n").type == pa.int64() and t.column("n").to_pylist() == [1, 2]
+    pq.write_table(pa.table({"prompt": ["c"], "n": ["three"]}), tmp_path / "j" / "c.parquet")
+    with pytest.raises(ConfigError) as e:
+        planned(tmp_path / "j" / "*.parquet", "dataset.keep_columns=[n]")
+    said = f"dataset.keep_columns: {tmp_path / 'j' / 'c.parquet'} holds values that are not of the first file's types "
+    assert str(e.value).startswith(said + "(n: int64): ") and "three" in str(e.value), str(e.value)
+    pq.write_table(pa.table({"prompt": ["c"], "other": [3]}), tmp_path / "j" / "c.parquet")
+    with pytest.raises(ConfigError) as e:
+        planned(tmp_path / "j" / "*.parquet", "dataset.keep_columns=[n]")
+    said = f"dataset.keep_columns: {tmp_path / 'j' / 'c.parquet'} has no column 'n'; columns found: prompt, other"
+    assert str(e.value) == said, str(e.value)
+
+    said = f"dataset.keep_columns: {tmp_path / 'j' / 'b.jsonl'} holds values that are not of the first file's types "
+    for at in (0, 5):  # in a full read of 4 rows, and in the last, short one
+        bad = [{"prompt": "q", "k": "x" * 300 if i == at else i} for i in range(6)]
+        (tmp_path / "j" / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+        with pytest.raises(ConfigError) as e:
+            planned(tmp_path / "j" / "*.jsonl", "dataset.keep_columns=[k,cat]")
+        assert str(e.value).startswith(said + "(k: int64, cat: string): "), str(e.value)
+        arrow = str(e.value).split("(k: int64, cat: string): ", 1)[1]
+        assert "xxx" in arrow and len(arrow) == 160, arrow  # pyarrow's first line, cut to 160 characters
+
+    # a line that is not an object is set aside by the prompt pass; the kept pass keeps its place
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"prompt": "a", "k": 1}\n"just text"\n{"prompt": "c", "k": 3}\n')
+    t = planned(odd, "dataset.keep_columns=[k]", "dataset.bad_rows=skip")
+    assert t.column("k").to_pylist() == [1, None, 3]
+
+
 def test_a_changed_kept_value_changes_the_shard_fingerprint_and_none_kept_changes_nothing(tmp_path):
     from launcher.ledger.shards import prompts_fingerprint
 

@@ -66,3 +66,31 @@ def test_parquet_image_structs_and_lists_are_read_back_by_row(tmp_path):
     got = [[data for _, data in load_references(r)] for r in rows]
     assert got == [[refs[0]], [refs[1]], [refs[2]], [refs[3], refs[4]]]
     assert json.loads(rows[3]["ref_loc"])[1]["path"] == f"{tmp_path / 's.parquet'}#row=3&ref=1"
+
+
+def test_references_past_the_read_batches_of_parquet_and_saved_datasets_keep_their_rows(tmp_path):
+    """19 rows: past two of Parquet's 8-row reads and over a saved dataset's two files, each row plans its own
+    reference and names its row; a source without the image column is refused naming the columns it has."""
+    import datasets
+    import pytest
+
+    from launcher.errors import ConfigError
+
+    refs = [png(64, 64, (i * 12, 255 - i * 12, 7)) for i in range(19)]
+    rows = [{"prompt": f"p{i}", "image": {"bytes": r, "path": None}} for i, r in enumerate(refs)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet", row_group_size=5)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    assert len(json.loads((tmp_path / "saved" / "state.json").read_text())["_data_files"]) == 2
+    for source in (tmp_path / "s.parquet", tmp_path / "saved"):
+        planned = plan_table(source).to_pylist()
+        assert [[data for _, data in load_references(r)] for r in planned] == [[r] for r in refs], source
+        assert [json.loads(r["ref_loc"])[0]["path"] for r in planned] == [f"{source}#row={i}" for i in range(19)]
+
+    pq.write_table(pa.table({"prompt": ["a"], "picture": [refs[0]]}), tmp_path / "other.parquet")
+    datasets.Dataset.from_list([{"prompt": "a", "picture": "x.png"}]).save_to_disk(str(tmp_path / "other"))
+    for source in (tmp_path / "other.parquet", tmp_path / "other"):
+        with pytest.raises(ConfigError) as e:
+            plan_table(source)
+        assert str(e.value) == (
+            f"dataset {source} has no image column 'image' (dataset.image_column); columns found: prompt, picture"
+        ), str(e.value)

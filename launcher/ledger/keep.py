@@ -85,15 +85,11 @@ def _first_fields(f: str, col: str) -> dict[str, pa.DataType]:
         return {x.name: x.type for x in pq.read_schema(fs.open_input_file(p))}
     if _suffix(f) == ".txt":
         return {}
-    values: dict[str, list] = {}  # a column first seen at row n has n nulls before it
-    for n, (_, r) in enumerate(_rows(f, col)):
+    values: dict[str, list] = {}  # each column's values, for their type (nulls play no part in it)
+    for _, r in _rows(f, col):
         for k, v in r.items() if isinstance(r, dict) else ():
-            values.setdefault(k, [None] * n).append(v)
-        for v in values.values():
-            v.extend([None] * (n + 1 - len(v)))
-    if _suffix(f) == ".csv":
-        return dict.fromkeys(values, pa.string())
-    return {k: _inferred(v) for k, v in values.items()}
+            values.setdefault(k, []).append(v)
+    return {k: _inferred(v) for k, v in values.items()}  # CSV's values are all text: kept as text
 
 
 def _inferred(values: list) -> pa.DataType:
