@@ -419,6 +419,18 @@ def test_a_done_shards_changed_added_and_removed_prompts_are_named_and_shifted_r
     assert changed_ids(store, 5, now(["a"], ["pa"], ref_sha256=["2" * 64])) == (["a"], False, ["r.png"])
     assert changed_ids(store, 5, now(["a"], ["pa2"], ref_sha256=["2" * 64])) == (["a"], False, [])  # the prompt said
 
+    # Shifted when at least half the changed prompts are still there: 1 of 2 is, 1 of 3 is not
+    assert changed_ids(store, 3, now(["a", "b", "c"], ["pb", "x", "pc"])) == (["a", "b"], True, [])
+    assert changed_ids(store, 3, now(["a", "b", "c"], ["pb", "x", "y"])) == (["a", "b", "c"], False, [])
+    assert changed_ids(store, 3, now(["a", "b", "c"], ["pb", "pb", "pc"])) == (["a"], False, [])  # one is no shift
+    # Two rows' references changed: both named; a row that lost one of its two references changed, naming none
+    two = [{"id": "b", "path": "s.png", "sha256": "3" * 64}, {"id": "b", "path": "t.png", "sha256": "4" * 64}]
+    old = {"id": ["a", "b"], "prompt": ["pa", "pb"], "reference": [ref, two]}
+    pq.write_table(pa.table(old), tmp_path / "data/shard-00006.parquet")
+    moved = now(["a", "b"], ["pa", "pb"], ref_sha256=["2" * 64, f"{'3' * 64} {'5' * 64}"])
+    assert changed_ids(store, 6, moved) == (["a", "b"], False, ["r.png", "t.png"])
+    assert changed_ids(store, 6, now(["a", "b"], ["pa", "pb"], ref_sha256=["1" * 64, "3" * 64])) == (["b"], False, [])
+
 
 def _pipeline_folder(root, transformer: bytes, vae: bytes = b"vae weights") -> None:
     """A pipeline folder as model_weights reads it: model_index.json and one safetensors file per component."""

@@ -63,7 +63,8 @@ def changed_ids(store: Store | None, index: int, table: pa.Table) -> tuple[list[
     changed += [
         i for i, sha in zip(now, shas, strict=True) if sha and i not in changed and _refs_differ(refs_before, i, sha)
     ]
-    moved = sum(1 for i in changed if i in now and now[i] in before.values())
+    # a row whose prompt is the same (its references changed) has not moved
+    moved = sum(1 for i in changed if i in now and before.get(i) != now[i] and now[i] in before.values())
     return changed, len(changed) > 1 and moved * 2 >= len(changed), refs
 
 
