@@ -128,6 +128,10 @@ def test_non_finite_images_fail_naming_the_first_five_samples_the_count_and_the_
     said = str(e.value)
     assert "the transformer gave non-finite values" in said and "'r0', 'r1', 'r2', 'r3', 'r4' and 1 more" in said
     assert "(6 of 7 in the batch)" in said and "r5" not in said
+    assert said.endswith(
+        "which would be saved as black images; an overflow in float16 is the usual cause (model.dtype=bfloat16 or "
+        "float32 avoids it), else the model's weights"
+    ), said
 
 
 def png(color, size) -> bytes:
