@@ -122,6 +122,10 @@ CASES = {
     "negative-guidance": (["generate.guidance_scale=-1"], ["generate.guidance_scale=-1"]),
     "negative-batch-sleep": (["testing.batch_sleep_s=-1"], ["testing.batch_sleep_s=-1.0", "between 0 and 60"]),
     "nan-batch-sleep": (["testing.batch_sleep_s=nan"], ["testing.batch_sleep_s=nan", "between 0 and 60"]),
+    "hold-in-no-folder": (
+        ["testing.hold_batches_until={tmp}/no-such-folder/go"],
+        ["testing.hold_batches_until=", "no-such-folder/go: its folder does not exist"],
+    ),
     # Run and output
     "shards-that-do-not-exist": (["run.shards=[0,5]"], ["run.shards", "[5]", "3 shards"]),
     "output-dir-is-a-file": (["output.dir={tmp}/afile"], ["output.dir", "afile", "is a file"]),

@@ -54,6 +54,10 @@ def check_settings(cfg) -> None:
         raise ConfigError(f"generate.guidance_scale={g.guidance_scale} is negative; use 0 or more")
     if not 0 <= cfg.testing.batch_sleep_s <= 60:  # NaN fails both comparisons
         raise ConfigError(f"testing.batch_sleep_s={cfg.testing.batch_sleep_s} must be between 0 and 60 seconds")
+    for key in ("hold_after_ledger_read", "hold_batches_until"):  # a hold writes PATH.waiting beside PATH
+        hold = cfg.testing[key]
+        if hold and not os.path.isdir(os.path.dirname(os.path.abspath(hold))):
+            raise ConfigError(f"testing.{key}={hold}: its folder does not exist; name a file in an existing folder")
     from launcher.ledger.bounds import config_problems
 
     if problems := config_problems(g):  # what would exhaust a host or make nothing but black images
