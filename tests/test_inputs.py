@@ -87,24 +87,36 @@ def test_damaged_ledger_files_are_named_shown_and_generated_again(slow, slow_cle
     assert (state / "shard-1.json").exists()  # a stranger's file is left alone
 
 
-@pytest.mark.parametrize(
-    "index",
-    [
-        b"not gzip",
-        gzip.compress(b"[]"),
-        gzip.compress(b'{"states": []}'),
-        gzip.compress(b'{"states": {"0": 5}}'),
-        gzip.compress(b'{"states": {"0": [[1, 2], []]}}'),
-        gzip.compress(b'{"states": {"x": [[1, 2], {}]}}'),
-        gzip.compress(b'{"states": {"0": [[1, 2], {"status": "done", "rows": "2"}]}}'),
-        gzip.compress(b"{")[:-4],
-    ],
-    # gzip stamps the time into its header: ids from the bytes would differ between xdist workers
-    ids=["not-gzip", "list", "states-list", "state-int", "state-lists", "bad-shard-key", "rows-str", "cut"],
-)
-def test_a_damaged_index_is_one_warning_and_the_state_files_are_read(tmp_path, caplog, index):
+SOUND = b'{"status": "done", "rows": 2}'
+DAMAGED_INDEXES = {  # what state/index.json.gz holds -> the reason its warning gives
+    "not-gzip": (b"not gzip", "Error -3 while decompressing data: incorrect header check"),
+    "list": (gzip.compress(b"[]"), "a JSON list without a mapping of states"),
+    "states-list": (gzip.compress(b'{"version": 1, "states": []}'), "a JSON dict without a mapping of states"),
+    "no-states": (gzip.compress(b'{"version": 1}'), "a JSON dict without a mapping of states"),
+    "no-version": (gzip.compress(b'{"states": {}}'), "version None, where this meshgen reads version 1"),
+    "newer": (gzip.compress(b'{"version": 2, "states": {"0": [[1, 2], %s]}}' % SOUND), "version 2, where"),
+    "state-int": (gzip.compress(b'{"version": 1, "states": {"0": 5}}'), "the entry of shard 0 is not a state"),
+    "state-lists": (gzip.compress(b'{"version": 1, "states": {"0": [[1, 2], []]}}'), "the entry of shard 0 is"),
+    "three-numbers": (
+        gzip.compress(b'{"version": 1, "states": {"1": [[1, 2, 3], %s]}}' % SOUND),
+        "the entry of shard 1",
+    ),
+    "key-int": (gzip.compress(b'{"version": 1, "states": {"2": [7, %s]}}' % SOUND), "the entry of shard 2 is not"),
+    "bad-shard-key": (gzip.compress(b'{"version": 1, "states": {"x": [[1, 2], {}]}}'), "the entry of shard x is not"),
+    "rows-str": (
+        gzip.compress(b'{"version": 1, "states": {"0": [[1, 2], {"status": "done", "rows": "2"}]}}'),
+        "the entry of shard 0 is not a state",
+    ),
+    "cut": (gzip.compress(b"{")[:-4], "it ends before its gzip stream does"),
+}
+
+
+# gzip stamps the time into its header: ids from the bytes would differ between xdist workers
+@pytest.mark.parametrize("case", list(DAMAGED_INDEXES))
+def test_a_damaged_index_is_one_warning_and_the_state_files_are_read(tmp_path, caplog, case):
     from launcher.ledger.states import INDEX, Ledger, state_rel
 
+    index, reason = DAMAGED_INDEXES[case]
     store = Store(tmp_path)
     for i in range(3):
         store.write_json(state_rel(i), {"status": "done", "rows": 2})
@@ -112,7 +124,8 @@ def test_a_damaged_index_is_one_warning_and_the_state_files_are_read(tmp_path, c
     ledger = Ledger(store)
     assert sorted(ledger.refresh()) == [0, 1, 2] and ledger.reads == 3
     said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"{tmp_path}/state/index.json.gz is damaged"), said
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path}/state/index.json.gz is damaged ({reason}"), said
+    assert said[0].endswith("); reading the state files instead"), said
     ledger.save_index()  # and a sound index replaces it
     again = Ledger(store)
     assert sorted(again.refresh()) == [0, 1, 2] and again.reads == 0

@@ -1374,6 +1374,73 @@ def test_a_stale_shards_changed_ids_are_read_from_its_parquet_and_a_shift_is_tol
     assert changed_ids(store, 0, now) == (["1"], False, [])  # its prompt changed: the row is named, not its images
 
 
+def test_a_host_whose_name_holds_the_temporary_mark_cleans_its_own_leftovers(tmp_path, monkeypatch):
+    """A temporary name is `.<name>.tmp-<host>-<pid>`: the first mark ends the shard's own name, and a host named
+    node.tmp-cluster is still this host (read from the last mark, it was a host `cluster`, whose files stay)."""
+    import os
+
+    from launcher.ledger import states
+    from launcher.ledger.store import Store
+
+    monkeypatch.setattr(states, "HOST", "node.tmp-cluster")
+    dead = tmp_path / "data" / ".shard-00003.parquet.tmp-node.tmp-cluster-4194315"  # above Linux's pid_max
+    alive = tmp_path / "data" / f".shard-00003.parquet.tmp-node.tmp-cluster-{os.getpid()}"
+    dead.parent.mkdir()
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    states.clean_tmp(Store(tmp_path), 3)
+    assert not dead.exists() and alive.exists()
+
+
+def test_the_index_inflates_to_its_limit_and_no_further_and_is_written_only_when_it_would_say_something_new(
+    tmp_path, monkeypatch
+):
+    """launcher/ledger/states.py: inflate takes a gzip stream of exactly `limit` bytes, refuses one byte more
+    (holding at most that much: a bomb costs the limit, not its size) and a stream that is not gzip's; save_index
+    writes once for what is new, and a sound index is read without a state file."""
+    import gzip
+    import tracemalloc
+    import zlib
+
+    from launcher.ledger.states import INDEX, INDEX_BYTES_PER_STATE, Ledger, inflate, state_rel
+    from launcher.ledger.store import Store
+
+    payload = b"0123456789" * 100
+    assert inflate(gzip.compress(payload), 1000) == payload
+    with pytest.raises(ValueError) as e:
+        inflate(gzip.compress(payload), 999)
+    assert str(e.value) == f"it inflates past 999 bytes, more than {INDEX_BYTES_PER_STATE} per listed state file"
+    with pytest.raises(EOFError, match="^it ends before its gzip stream does$"):
+        inflate(gzip.compress(payload)[:-20], 1000)
+    with pytest.raises(zlib.error, match="incorrect header check"):
+        inflate(zlib.compress(payload), 1000)  # zlib's own format: not the gzip one the index is written in
+    bomb = gzip.compress(bytes(32 * 2**20))
+    tracemalloc.start()
+    with pytest.raises(ValueError, match="inflates past 1024 bytes"):
+        inflate(bomb, 1024)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**20, peak
+
+    store = Store(tmp_path)
+    for i in range(2):
+        store.write_json(state_rel(i), {"status": "done", "rows": 2})
+    writes = []
+    real = Store.write_bytes
+    monkeypatch.setattr(Store, "write_bytes", lambda self, rel, data: (writes.append(rel), real(self, rel, data)))
+    ledger = Ledger(store)
+    ledger.refresh()
+    ledger.save_index()
+    ledger.save_index()  # nothing new
+    ledger.refresh()
+    ledger.save_index()  # still nothing new
+    assert writes == [INDEX]
+    again = Ledger(store)
+    assert sorted(again.refresh()) == [0, 1] and again.reads == 0
+    again.save_index()  # what it read is what the index says
+    assert writes == [INDEX]
+
+
 def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_stay(tmp_path, monkeypatch):
     """launcher/ledger/states.py clean_tmp: a temporary name carries its writer's host and pid. This host's
     leftovers go when their pid is dead; another host's (a folder shared over NFS) only once unchanged for the
@@ -1392,13 +1459,14 @@ def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_
         "state/.shard-00001.json.tmp-{h}-{p}": (HOST, os.getpid()),  # alive: this test
         "images/.shard-00001.tmp-{h}-{p}": (HOST, dead_pid),  # an uncommitted image folder
         "webdataset/.shard-00002.tar.tmp-{h}-{p}": (HOST, dead_pid),  # another shard
-        "data/.shard-00001.parquet.tmp-{h}-{p}x": ("other-node", 5),  # another host's, recent
-        "data/.shard-00001.parquet.tmp-{h}-{p}y": ("old-node", 5),  # another host's, old
+        # another host's, recent: its pid is dead here, and means nothing here
+        "data/.shard-00001.parquet.tmp-{h}-{p}#recent": ("other-node", dead_pid),
+        "data/.shard-00001.parquet.tmp-{h}-{p}#old": ("old-node", dead_pid),  # another host's, old
         "data/.shard-00001.parquet.tmp-{p}": ("", dead_pid),  # a name from before hosts were in it
     }
     paths = {}
     for pattern, (h, p) in names.items():
-        path = tmp_path / pattern.format(h=h, p=p).replace("tmp--", "tmp-")
+        path = tmp_path / pattern.split("#")[0].format(h=h, p=p).replace("tmp--", "tmp-")  # #: a second name
         path.parent.mkdir(parents=True, exist_ok=True)
         if "images/" in pattern:
             path.mkdir()
@@ -1407,18 +1475,18 @@ def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_
             path.write_bytes(b"x")
         paths[pattern] = path
     old = time.time() - STALE_S - 30
-    os.utime(paths["data/.shard-00001.parquet.tmp-{h}-{p}y"], (old, old))
+    os.utime(paths["data/.shard-00001.parquet.tmp-{h}-{p}#old"], (old, old))
     clean_tmp(store, 1)
     left = {k for k, p in paths.items() if p.exists()}
     assert left == {
         "state/.shard-00001.json.tmp-{h}-{p}",
         "webdataset/.shard-00002.tar.tmp-{h}-{p}",  # not shard 1's
-        "data/.shard-00001.parquet.tmp-{h}-{p}x",
+        "data/.shard-00001.parquet.tmp-{h}-{p}#recent",
     }
     clean_tmp(store)  # every shard's
     assert {k for k, p in paths.items() if p.exists()} == {
         "state/.shard-00001.json.tmp-{h}-{p}",
-        "data/.shard-00001.parquet.tmp-{h}-{p}x",
+        "data/.shard-00001.parquet.tmp-{h}-{p}#recent",
     }
 
 

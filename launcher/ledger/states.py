@@ -30,6 +30,7 @@ READERS = 32  # parallel reads of changed state files (object stores answer each
 # What the index may inflate to: a slim state is well under 1 KiB (a shard's image folder is one entry), so 16 KiB
 # per listed state file is generous; more than that is a damaged (or hostile) index, never inflated.
 INDEX_BYTES_PER_STATE, INDEX_BYTES_BASE = 16 * 1024, 1024 * 1024
+INDEX_VERSION = 1  # state/index.json.gz's "version": a reader takes only its own
 SAMPLES_KEPT = 20  # sample ids a failed state names (the batch that failed, the first ones)
 
 
@@ -180,7 +181,10 @@ class Ledger:
         if self._keys == self._index_keys:
             return
         # Damaged files stay out: the next run reads them again (and says so again).
-        index = {"version": 1, "states": {str(i): [list(self._keys[i]), s] for i, s in sorted(self.states.items())}}
+        index = {
+            "version": INDEX_VERSION,
+            "states": {str(i): [list(self._keys[i]), s] for i, s in sorted(self.states.items())},
+        }
         self.store.write_bytes(INDEX, gzip.compress(json.dumps(index, separators=(",", ":")).encode(), 6))
         self._index_keys = dict(self._keys)
 
@@ -217,12 +221,16 @@ def exhausted(states: dict[int, dict], status: dict[int, str], max_attempts: int
 
 
 def _index_entries(index) -> dict[int, tuple[tuple, dict]]:
-    """The index's entries, shard -> ((mtime_ns, size), state); TypeError or ValueError where its shape is wrong."""
-    if not isinstance(index, dict) or not isinstance(index.get("states", {}), dict):
+    """The index's entries, shard -> ((mtime_ns, size), state); TypeError or ValueError where its shape is wrong.
+    An index of another version (a newer meshgen's) is not read: its entries may not mean what ours do."""
+    if not isinstance(index, dict) or not isinstance(index.get("states"), dict):
         raise TypeError(f"a JSON {type(index).__name__} without a mapping of states")
+    if index.get("version") != INDEX_VERSION:
+        raise ValueError(f"version {index.get('version')!r}, where this meshgen reads version {INDEX_VERSION}")
     out = {}
-    for i, (key, state) in index.get("states", {}).items():
-        if state_problem(state) or len(key) != 2:
+    for i, entry in index["states"].items():
+        key, state = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+        if not isinstance(key, list) or len(key) != 2 or state_problem(state):
             raise TypeError(f"the entry of shard {i} is not a state")
         out[int(i)] = (tuple(key), state)
     return out
@@ -280,7 +288,8 @@ def clean_tmp(store: Store, shard_index: int | None = None) -> None:
     name = "shard-" if shard_index is None else f"shard-{shard_index:05d}"
     for folder in (DATA_DIR, STATE_DIR, IMAGES_DIR, WDS_DIR):
         for p in store.local(folder).glob(f".{name}*{TMP_MARK}*"):
-            host, _, pid = p.name.rsplit(TMP_MARK, 1)[1].rpartition("-")
+            # the first mark ends the shard's own name; a host name may hold one too (node.tmp-cluster)
+            host, _, pid = p.name.split(TMP_MARK, 1)[1].rpartition("-")
             if host in (HOST, "") and pid.isdigit():  # "": a name from before hosts were in it
                 dead = not pid_alive(int(pid))
             else:  # another node's, or an unreadable name
