@@ -43,9 +43,12 @@ def write_source(folder: Path, fmt: str, rows: list[dict]) -> Path:
     return path
 
 
-def where(path: Path, fmt: str) -> str:
-    """How a message names the second row of a source: its line in a text file, its row in an Arrow one."""
-    return {"jsonl": f"{path}, line 2", "csv": f"{path}, line 3", "txt": f"{path}, line 2"}.get(fmt, f"{path}, row 1")
+def where(path: Path, fmt: str, k: int = 1) -> str:
+    """How a message names row k (from 0) of a source: its line in a text file (after a CSV's header), its row in
+    an Arrow one."""
+    return {"jsonl": f"{path}, line {k + 1}", "csv": f"{path}, line {k + 2}", "txt": f"{path}, line {k + 1}"}.get(
+        fmt, f"{path}, row {k}"
+    )
 
 
 def rows_of(src: Source) -> list[dict]:
@@ -66,16 +69,18 @@ def test_an_id_that_cannot_name_a_file_is_refused_or_set_aside_in_every_format(f
     bad, says = BAD_IDS[case]
     if fmt == "csv" and case == "null":
         pytest.skip("a CSV cell has no null: an empty cell is the empty case")
-    path = write_source(
-        tmp_path, fmt, [{"id": "a", "prompt": "one"}, {"id": bad, "prompt": "two"}, {"id": "c", "prompt": "three"}]
-    )
+    rows = [{"id": "a", "prompt": "one"}, {"id": bad, "prompt": "two"}, {"id": "c", "prompt": "three"}]
+    path = write_source(tmp_path, fmt, [*rows, {"id": bad, "prompt": "four"}])
     with pytest.raises(ConfigError) as e:
         rows_of(Source(str(path), id_column="id"))
-    assert where(path, fmt) in str(e.value) and says in str(e.value), str(e.value)
+    assert f"dataset {where(path, fmt)}: " in str(e.value) and says in str(e.value), str(e.value)
     assert "has no id column" not in str(e.value)  # a null id is no missing column
     rows = rows_of(Source(str(path), id_column="id", bad_rows="skip"))
     assert [r["id"] for r in rows if r["rejected"] is None] == ["a", "c"]
     assert says in json.loads(rows[1]["rejected"])["reason"] and rows[1]["prompt"] is None
+    assert [json.loads(rows[k]["rejected"])["where"] for k in (1, 3)] == [
+        f"dataset {where(path, fmt, k)}" for k in (1, 3)
+    ]
 
 
 def _invalid_utf8(values: list[bytes]) -> pa.Array:
@@ -387,14 +392,21 @@ def test_skip_sets_aside_one_percent_bad_rows_and_generates_every_good_row_once(
 
 def test_skip_sets_aside_the_later_of_two_ids_that_make_one_file_name(tmp_path):
     """`a b` and `a_b` both become the file a_b.png: refuse names both, skip keeps the first and sets aside the other
-    (found once every id is read, so planning reads the source again without it)."""
+    (found once every id is read, so planning reads the source again without it); an id twice is a duplicate,
+    its later rows set aside naming the first's row."""
     from launcher.ledger.rejected import Recheck
 
-    path = write_source(tmp_path, "jsonl", [{"id": i, "prompt": i} for i in ("a b", "c", "a_b", "d")])
+    ids = ("a b", "c", "a_b", "d", "c", "e", "c")
+    path = write_source(tmp_path, "jsonl", [{"id": i, "prompt": i} for i in ids])
     with pytest.raises(ConfigError, match="'a b' and 'a_b' both become the file name a_b"):
         rows_of(Source(str(path), id_column="id"))
     with pytest.raises(Recheck) as again:
         rows_of(Source(str(path), id_column="id", bad_rows="skip"))
     rows = rows_of(Source(str(path), id_column="id", bad_rows="skip", late=again.value.late))
-    assert [r["id"] for r in rows if r["rejected"] is None] == ["a b", "c", "d"]
-    assert "both become the file name a_b" in json.loads(rows[2]["rejected"])["reason"]
+    assert [r["id"] for r in rows if r["rejected"] is None] == ["a b", "c", "d", "e"]
+    reasons = {k: json.loads(r["rejected"])["reason"] for k, r in enumerate(rows) if r["rejected"] is not None}
+    assert reasons == {
+        2: "ids 'a b' (row 0) and 'a_b' both become the file name a_b; make them differ in letters, digits, '-' or '_'",
+        4: "duplicate id 'c' (also row 1 of the source); ids must be unique",
+        6: "duplicate id 'c' (also row 1 of the source); ids must be unique",
+    }
