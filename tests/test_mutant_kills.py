@@ -390,6 +390,47 @@ def test_a_reference_stored_in_a_parquet_is_read_from_its_rows_group_past_the_fi
         load_references(row(6, 0))
 
 
+def test_a_reference_gone_or_changed_since_planning_fails_its_shard_naming_the_file_or_row_and_the_sample(tmp_path):
+    """DESIGN.md (job=edit): each reference is read when its shard runs and checked against the sha256 planned; one
+    deleted or rewritten since is an error naming it and the row's id (the shard fails, a rerun plans afresh)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pathlib import Path
+
+    from launcher.ledger.reference_reads import load_references
+
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(png((1, 2, 3), (2, 2)))
+    b.write_bytes(png((4, 5, 6), (2, 2)))
+    f = tmp_path / "src.parquet"
+    pq.write_table(pa.table({"image": [{"bytes": b"old", "path": None}] * 3}), f, row_group_size=2)
+
+    def row(*refs):
+        locs = [{"path": str(r), "src": str(r)} if isinstance(r, Path) else {"path": "x", "src": r} for r in refs]
+        shas = [hashlib.sha256(r.read_bytes() if isinstance(r, Path) else b"old").hexdigest() for r in refs]
+        return {"id": "s7", "ref_loc": json.dumps(locs), "ref_sha256": " ".join(shas)}
+
+    planned = row(a, b, [str(f), "image", 2, 0])
+    assert [lineage for lineage, _ in load_references(planned)] == [
+        {"id": "s7", "path": str(a), "sha256": hashlib.sha256(a.read_bytes()).hexdigest()},
+        {"id": "s7", "path": str(b), "sha256": hashlib.sha256(b.read_bytes()).hexdigest()},
+        {"id": "s7", "path": "x", "sha256": hashlib.sha256(b"old").hexdigest()},
+    ]
+    b.write_bytes(png((9, 9, 9), (2, 2)))
+    with pytest.raises(ValueError) as e:
+        load_references(planned)
+    assert str(e.value) == f"reference {b} (row s7) changed since planning; run the same command again"
+    pq.write_table(pa.table({"image": [{"bytes": b"new", "path": None}] * 3}), f, row_group_size=2)
+    with pytest.raises(ValueError) as e:
+        load_references(row(a, [str(f), "image", 2, 0]))
+    assert str(e.value) == f"reference {f} row 2 (row s7) changed since planning; run the same command again"
+    a.unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        load_references(planned)
+    assert str(e.value) == f"reference {a} (row s7) is missing since planning"
+
+
 def test_a_done_shards_changed_added_and_removed_prompts_are_named_and_shifted_rows_are_told(tmp_path):
     """DESIGN.md: run.stale decides what happens to done shards whose prompts changed; the refusal names the samples
     whose prompt (or reference image) changed, was added or removed, and tells shifted row numbers (most changed

@@ -36,7 +36,7 @@ def load_references(row: dict) -> list[tuple[dict, bytes]]:
         where = loc["src"]
         if isinstance(where, list):
             data = _stored_bytes(*where)
-            name = f"{where[0]} row {where[1]}"
+            name = f"{where[0]} row {where[2]}"  # where: [file, column, row, k]
         else:
             fs, p = filesystem(where)
             try:
