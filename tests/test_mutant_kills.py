@@ -393,10 +393,10 @@ def test_a_reference_stored_in_a_parquet_is_read_from_its_rows_group_past_the_fi
 def test_a_reference_gone_or_changed_since_planning_fails_its_shard_naming_the_file_or_row_and_the_sample(tmp_path):
     """DESIGN.md (job=edit): each reference is read when its shard runs and checked against the sha256 planned; one
     deleted or rewritten since is an error naming it and the row's id (the shard fails, a rerun plans afresh)."""
+    from pathlib import Path
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from pathlib import Path
 
     from launcher.ledger.reference_reads import load_references
 
