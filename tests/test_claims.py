@@ -167,7 +167,7 @@ def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_pat
     """A run killed between a shard's state and its claim's release leaves the claim on a done shard, which no
     later run claims again: the end of a run that shares the folder with no live run deletes it (and on disk the
     empty folders), and keeps a live run's claim. Seen once as a finished folder that kept claims/ (test_faults)."""
-    from launcher.ledger.plan import tidy
+    from launcher.ledger.plan import plan_rel, tidy
 
     if where != "disk":
         request.getfixturevalue({"s3": "s3", "gs": "gcs"}[where])  # the local S3 or GCS server
@@ -177,6 +177,9 @@ def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_pat
     live, ending = RunLock(store, 3, "live"), RunLock(store, 0, "ending")  # `ending`: the run whose end it is
     live.acquire()
     ending.acquire()
+    for run in ("killed", "live", "ending"):  # each run's plan file; and a stranger's file in plans/
+        store.write_bytes(plan_rel(run), run.encode())
+    store.write_bytes("plans/notes.txt", b"not a plan")
     try:
         assert Claims(store, 3, "live").try_claim(4)
         tidy(store, ending)
@@ -184,10 +187,14 @@ def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_pat
         assert left == ["g00000.json"] and store.read_json("claims/shard-00004/g00000.json")["run_id"] == "live"
         if where == "disk":
             assert not (tmp_path / "claims" / "shard-00001").exists()
+        # the killed run's plan and the ending run's own go; the live run's stays, as does what is no plan
+        assert sorted(f.base_name for f in store.files("plans")) == ["live.arrow", "notes.txt"]
+        assert store.read_bytes(plan_rel("live")) == b"live"
     finally:
         live.release()
     tidy(store, ending)
     ending.release()
     assert store.files("claims/shard-00004") == []
+    assert [f.base_name for f in store.files("plans")] == ["notes.txt"]
     if where == "disk":
-        assert not (tmp_path / "claims").exists()
+        assert not (tmp_path / "claims").exists() and (tmp_path / "plans").is_dir()  # plans/ is not empty

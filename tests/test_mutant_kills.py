@@ -667,6 +667,52 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
     assert "(r0.png) since" in stale_message(by_id, {0: ([], False, refs[:1])})
 
 
+def test_the_stale_refusal_reads_the_first_stale_shards_until_five_samples_are_named(tmp_path):
+    """launcher/ledger/stale.py refuse: the refusal names up to five changed samples, read from the first stale
+    shards in turn, and reads no further shard once five are named (a shard not read makes it "and more")."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.stale import refuse
+    from launcher.ledger.store import Store
+
+    (tmp_path / "data").mkdir()
+    changes = {0: 4, 1: 1, 2: 1}  # shard -> how many of its 6 prompts changed: 4, then the fifth, then one unread
+    tables = {}
+    for shard, n in changes.items():
+        ids = [f"{'abc'[shard]}{k}" for k in range(6)]
+        old = pa.table({"id": ids, "prompt": [f"prompt {i}" for i in ids]})
+        pq.write_table(old, tmp_path / "data" / f"shard-{shard:05d}.parquet")
+        tables[shard] = pa.table(
+            {"id": ids, "prompt": [f"new {i}" if k < n else f"prompt {i}" for k, i in enumerate(ids)]}
+        )
+    cfg = SimpleNamespace(dataset=SimpleNamespace(id_column="id"))
+
+    def message(stale, tables):
+        with pytest.raises(ConfigError) as e:
+            refuse(cfg, Store(tmp_path), stale, tables)
+        return str(e.value)
+
+    tail = "; rerun with run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
+    assert message([0, 1, 2], tables) == (
+        f"shards [0, 1, 2] are done but their prompts changed since (samples a0, a1, a2, a3, b0 and more){tail}"
+    )
+    assert (
+        message([0, 1], tables)
+        == f"shards [0, 1] are done but their prompts changed since (samples a0, a1, a2, a3, b0){tail}"
+    )
+    assert message([2, 0], tables) == (
+        f"shards [0, 2] are done but their prompts changed since (samples c0, a0, a1, a2, a3){tail}"
+    )
+    # a stale shard whose rows were not kept for the comparison is not read, and makes it "and more"
+    assert message([1, 3], {1: tables[1]}) == (
+        f"shards [1, 3] are done but their prompts changed since (samples b0 and more){tail}"
+    )
+
+
 def test_a_done_shard_that_only_left_out_rows_set_aside_then_is_told_from_one_whose_rows_changed(tmp_path):
     """launcher/ledger/rejected.py: a run writes the rows it set aside to rejected/<run id>.parquet; a later run
     reads it back, and a done shard whose state is its rows now less those (and less the rows set aside now) has
