@@ -94,3 +94,27 @@ def test_references_past_the_read_batches_of_parquet_and_saved_datasets_keep_the
         assert str(e.value) == (
             f"dataset {source} has no image column 'image' (dataset.image_column); columns found: prompt, picture"
         ), str(e.value)
+
+
+def test_a_csv_cell_may_list_several_references_and_a_text_source_without_the_column_is_refused(tmp_path):
+    """A CSV cell holds one path, or a JSON list of paths (its references in order); a cell that only starts like
+    one is a path. A JSON lines or CSV source without the image column is refused naming the columns it has."""
+    refs = {name: png(64, 64, (i * 60, 0, 0)) for i, name in enumerate(("a.png", "b.png", "[c].png"))}
+    for name, data in refs.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "p.csv").write_text('prompt,image\none,a.png\ntwo,"[""b.png"", ""a.png""]"\nthree,[c].png\n')
+    rows = plan_table(tmp_path / "p.csv").to_pylist()
+    got = [[data for _, data in load_references(r)] for r in rows]
+    assert got == [[refs["a.png"]], [refs["b.png"], refs["a.png"]], [refs["[c].png"]]]
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "x", "picture": "a.png"}) + "\n")
+    (tmp_path / "q.csv").write_text("prompt,picture\nx,a.png\n")
+    for source, where in ((tmp_path / "q.jsonl", ", line 1"), (tmp_path / "q.csv", "")):  # a CSV: by its header
+        try:
+            plan_table(source)
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            assert str(e) == (
+                f"dataset {source}{where} has no image column 'image' (dataset.image_column); columns found: "
+                "prompt, picture"
+            ), str(e)
+        else:
+            raise AssertionError(f"{source} was not refused")

@@ -19,15 +19,16 @@ from launcher.ledger.prompts import OVERRIDE_COLUMNS, _suffix, filesystem
 from launcher.ledger.row_checks import LINE_BYTES, Bad, line_problem
 
 
-def raw_rows(f: str, col: str, id_col: str | None, offset: int = 0) -> Iterator[tuple[str, dict]]:
-    """(where, row) of `f` from byte `offset` (0, or the old end of a text file that only grew)."""
+def raw_rows(f: str, col: str, id_col: str | None, offset: int = 0, role: str = "prompt") -> Iterator[tuple[str, dict]]:
+    """(where, row) of `f` from byte `offset` (0, or the old end of a text file that only grew). `col` is the column
+    that must be there: the prompt column, or (`role="image"`) the references' column, named so when missing."""
     fs, p = filesystem(f)
     if fs.get_file_info(p).type == pafs.FileType.Directory:  # source_files let only save_to_disk folders through
-        yield from _saved_dataset(f, col, id_col)
+        yield from _saved_dataset(f, col, id_col, role)
         return
     suffix = _suffix(f)
     if suffix == ".parquet":
-        yield from _parquet(f, col, id_col)
+        yield from _parquet(f, col, id_col, role)
         return
     lines = _lines(f, offset)
     if suffix == ".txt":
@@ -53,7 +54,7 @@ def raw_rows(f: str, col: str, id_col: str | None, offset: int = 0) -> Iterator[
                 obj = Bad(f"expected a JSON object {{...}}, got {got}; fix that line")
             yield f"dataset {f}, line {n}", obj
     else:
-        yield from _csv(f, col, offset)
+        yield from _csv(f, col, offset, role)
 
 
 def open_from(fs, p: str, offset: int):
@@ -138,7 +139,7 @@ def _byte_lines(fs, p: str, offset: int = 0, end: int | None = None) -> Iterator
             yield rest
 
 
-def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
+def _csv(f: str, col: str, offset: int = 0, role: str = "prompt") -> Iterator[tuple[str, dict | Bad]]:
     bad: dict[int, str] = {}  # line -> why it is no text: the csv module sees an empty line in its place
 
     def texts(lines):
@@ -154,9 +155,7 @@ def _csv(f: str, col: str, offset: int = 0) -> Iterator[tuple[str, dict | Bad]]:
     except csv.Error as e:
         raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV header ({e}); fix that line") from None
     if header and col not in header:  # say so even when the file has a header and no rows
-        raise ConfigError(
-            f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(header)}"
-        )
+        raise ConfigError(missing_column(f, col, role, header))
     if bad:
         raise ConfigError(f"dataset {f}, line 1: {next(iter(bad.values()))}")
     last = reader.line_num
@@ -215,22 +214,24 @@ def csv_header(f: str) -> list[str]:
     return header
 
 
-def _wanted(names: list[str], col: str, id_col: str | None, f: str) -> list[str]:
+def missing_column(f: str, col: str, role: str, names: list[str]) -> str:
+    return f"dataset {f} has no {role} column {col!r} (dataset.{role}_column); columns found: {', '.join(names)}"
+
+
+def _wanted(names: list[str], col: str, id_col: str | None, f: str, role: str = "prompt") -> list[str]:
     if col not in names:
-        raise ConfigError(
-            f"dataset {f} has no prompt column {col!r} (dataset.prompt_column); columns found: {', '.join(names)}"
-        )
+        raise ConfigError(missing_column(f, col, role, names))
     # Only the columns we use: a prompt source may also carry images or embeddings we would never look at.
     return [c for c in dict.fromkeys((col, id_col, *OVERRIDE_COLUMNS)) if c in names]
 
 
-def _parquet(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
+def _parquet(f: str, col: str, id_col: str | None, role: str = "prompt") -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     fs, p = filesystem(f)
     try:
         pf = pq.ParquetFile(fs.open_input_file(p))
-        wanted = _wanted(pf.schema_arrow.names, col, id_col, f)
+        wanted = _wanted(pf.schema_arrow.names, col, id_col, f, role)
         n = 0
         for batch in pf.iter_batches(columns=wanted, batch_size=65536):
             for r in rows_of(batch):
@@ -269,7 +270,7 @@ def saved_dataset_files(folder: str) -> list[str]:
         return [f"{p}/{d['filename']}" for d in json.loads(s.read())["_data_files"]]
 
 
-def _saved_dataset(folder: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
+def _saved_dataset(folder: str, col: str, id_col: str | None, role: str = "prompt") -> Iterator[tuple[str, dict]]:
     """A `datasets.save_to_disk` folder: Arrow stream files listed in its state.json, read with pyarrow alone."""
     import pyarrow as pa
 
@@ -279,7 +280,7 @@ def _saved_dataset(folder: str, col: str, id_col: str | None) -> Iterator[tuple[
         for p in saved_dataset_files(folder):
             with fs.open_input_file(p) as fh:
                 reader = pa.ipc.open_stream(fh)
-                wanted = _wanted(reader.schema.names, col, id_col, folder)
+                wanted = _wanted(reader.schema.names, col, id_col, folder, role)
                 for batch in reader:
                     for r in rows_of(batch.select(wanted)):
                         yield f"dataset {folder}, row {n}", r

@@ -69,8 +69,8 @@ def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
 def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
     from launcher.ledger.prompts_raw import raw_rows
 
-    for where, r in raw_rows(f, col, None):
-        if col not in r:
+    for where, r in raw_rows(f, col, None, role="image"):
+        if col not in r:  # a JSON line without it (a CSV's header says so before its first row)
             raise ConfigError(
                 f"{where} has no image column {col!r} (dataset.image_column); columns found: {', '.join(map(str, r))}"
             )
