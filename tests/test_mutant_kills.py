@@ -667,6 +667,28 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
     assert "(r0.png) since" in stale_message(by_id, {0: ([], False, refs[:1])})
 
 
+def test_run_stale_keep_is_recorded_in_done_states_only_and_read_back_as_kept_stale(tmp_path):
+    """DESIGN.md run.stale=keep: a kept shard's state records the changed prompts' fingerprint (and the ids that
+    changed, where there are ids); the same command finds it done, and status, report and card show it as
+    kept-stale: a done state with that record only."""
+    from launcher.ledger.stale import KEPT, KEPT_IDS, is_kept, kept_stale, record_kept
+    from launcher.ledger.states import read_state, state_rel
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    store.write_json(state_rel(0), {"status": "done", "rows": 2})
+    store.write_json(state_rel(1), {"status": "failed", "error": "x"})
+    store.write_json(state_rel(2), {"status": "done", "rows": 2})
+    record_kept(store, {0: "new0", 1: "new1", 2: "new2", 3: "new3"}, {0: ["a", "b"], 2: []})
+    states = {i: read_state(store, i) for i in range(4)}
+    assert states[0] == {"status": "done", "rows": 2, KEPT: "new0", KEPT_IDS: ["a", "b"]}
+    assert states[1] == {"status": "failed", "error": "x"} and states[3] is None  # only done shards are kept
+    assert states[2] == {"status": "done", "rows": 2, KEPT: "new2"}  # no ids changed there: none recorded
+    assert is_kept(states[0], "new0") and not is_kept(states[0], "new2")
+    assert [kept_stale(states[i]) for i in range(4)] == [True, False, True, False]
+    assert not kept_stale({"status": "failed", KEPT: "x"}) and not kept_stale({}) and not kept_stale({"status": "done"})
+
+
 def test_the_stale_refusal_reads_the_first_stale_shards_until_five_samples_are_named(tmp_path):
     """launcher/ledger/stale.py refuse: the refusal names up to five changed samples, read from the first stale
     shards in turn, and reads no further shard once five are named (a shard not read makes it "and more")."""

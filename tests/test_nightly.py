@@ -231,6 +231,17 @@ def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"shards \[0\] are done but their prompts changed since \(samples p000\)"):
         nights.plan()
     assert nights.reads == [[0, 199]]
+    town = [{**r, "prompt": r["prompt"].replace("city", "town")} for r in rows[:6]]  # shards of 4: 0 and 1
+    write(src, [*town[:3], rows[3], *town[4:], *rows[6:198]])
+    with pytest.raises(ConfigError) as e:
+        nights.plan()
+    assert str(e.value) == (
+        "shards [0, 1] are done but their prompts changed since (samples p000, p001, p002, p004, p005); rerun with "
+        "run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
+    )
+    write(src, [*town[:6], {**rows[6], "prompt": "x"}, *rows[7:198]])
+    with pytest.raises(ConfigError, match=r"shards \[0, 1\] .* \(samples p000, p001, p002, p003, p004 and 2 more\);"):
+        nights.plan()
 
 
 def test_a_failed_shard_whose_ids_all_left_the_source_plans_no_row(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool =
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, s in status.items() if s == "stale"]
     if stale and cfg.run.stale == "error" and selection != "all":
-        refuse(stale, found.changed)
+        refuse(cfg, stale, found.changed)
     held = exhausted(states, status, cfg.run.max_attempts) if selection == "pending" else []
     plan = Plan(shards, select_shards(status, selection, cfg.run.stale, frozenset(held)), stale, held=held)
     plan.rejected, plan.late, plan.ids = found.rejected, src.late, found
@@ -129,15 +129,9 @@ def _all_ids(found):
         raise
 
 
-def refuse(stale: list[int], changed: dict[int, list[str]]) -> None:
-    ids = list(dict.fromkeys(i for s in stale for i in changed.get(s, [])))
-    shown = stale_mod.SHOWN
-    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
-    named = f" (samples {', '.join(ids[:shown])}{more})" if ids else ""
-    raise ConfigError(
-        f"shards {sorted(stale)} are done but their prompts changed since{named}; rerun with "
-        "run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
-    )
+def refuse(cfg, stale: list[int], changed: dict[int, list[str]]) -> None:
+    """The stale refusal of an id-keyed plan: each stale shard's changed ids are known (nothing is shifted)."""
+    raise ConfigError(stale_mod.stale_message(cfg, {s: (changed.get(s, []), False, []) for s in stale}))
 
 
 def id_tables(store, cfg, plan, sizes):
