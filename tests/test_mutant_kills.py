@@ -1641,6 +1641,44 @@ def test_the_fast_reader_yields_what_the_exact_reader_does_or_gives_up(case, tmp
         assert [b.num_rows for b in batches] == [3] * (len(exact) // 3) + ([len(exact) % 3] if len(exact) % 3 else [])
 
 
+SIZED = {  # rows of a JSON lines source -> whether the fast reader must give up (the exact reader judges them)
+    "sizes that fit": ([{"height": 64, "width": 32}, {"height": 128}, {"width": 48}], False),
+    "a height off the multiple": ([{"height": 64}, {"height": 72}], True),
+    "a width off the multiple": ([{"width": 17}], True),
+    "over the pixel limit": ([{"height": 64, "width": 64}, {"height": 4096, "width": 4096}], True),
+    "seed 0, one step": ([{"seed": 0, "num_inference_steps": 1}], False),
+    "zero steps": ([{"seed": 5}, {"num_inference_steps": 0}], True),
+    "a negative seed": ([{"seed": -1}], True),
+    "steps past the bound": ([{"num_inference_steps": 10**6}], True),
+    "guidance as text": ([{"guidance_scale": "7"}], True),
+}
+
+
+@pytest.mark.parametrize("case", SIZED)
+def test_the_fast_reader_gives_up_on_each_value_the_exact_reader_must_judge(case, tmp_path):
+    """launcher/ledger/prompts_fast.py: with the model's size rule (multiples of 16, at most 1024x1024 pixels) and
+    the bounds of seeds and steps, a batch holding a value the exact reader refuses or must name is given up whole;
+    one whose values all fit is read by the fast reader itself, as the exact reader reads it."""
+    from launcher.ledger import prompts, prompts_fast
+    from launcher.ledger.prompts import SizeRule, Source, _GiveUp
+
+    rows, gives_up = SIZED[case]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"p{k}", **r}) + "\n" for k, r in enumerate(rows)))
+    src = Source(str(f), sizes=SizeRule(16, 1024 * 1024, 64, 64))
+    if gives_up:
+        with pytest.raises(_GiveUp):
+            list(prompts_fast.fast_batches(str(f), src, 10))
+        return
+    fast = [
+        {k: v for k, v in r.items() if v is not None}
+        for b in prompts_fast.fast_batches(str(f), src, 10)
+        for r in b.to_pylist()
+    ]
+    assert fast == [{k: v for k, v in r.items() if v is not None} for r in prompts._exact_rows(str(f), src, 10)]
+    assert [r["prompt"] for r in fast] == [f"p{k}" for k in range(len(rows))]
+
+
 def test_an_old_maps_rows_are_found_by_id_once_each():
     """launcher/ledger/idplan.py: each id read now is found in its file's old map by its hash and its name; one
     read twice is found once (the second is a duplicate), one matched before is not found again, and an id the
