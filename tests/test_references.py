@@ -118,3 +118,22 @@ def test_a_csv_cell_may_list_several_references_and_a_text_source_without_the_co
             ), str(e)
         else:
             raise AssertionError(f"{source} was not refused")
+
+
+def test_relative_reference_paths_are_relative_to_the_source_file_or_the_saved_dataset_folder(tmp_path, monkeypatch):
+    """A reference path that is not absolute is relative to the folder of the file that names it; a save_to_disk
+    folder names them from inside itself (given with or without a trailing slash); a source named by a bare file
+    name, from the working directory. A file of the same name one folder up is another image."""
+    import datasets
+
+    ds = tmp_path / "saved" / "ds"
+    datasets.Dataset.from_list([{"prompt": "a", "image": "r.png"}]).save_to_disk(str(ds))
+    for color, where in enumerate((ds, ds.parent, tmp_path)):
+        (where / "r.png").write_bytes(png(64, 64, (color * 100, 0, 0)))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "b", "image": "r.png"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    for source, ref in ((str(ds), ds / "r.png"), (f"{ds}/", ds / "r.png"), ("p.jsonl", tmp_path / "r.png")):
+        [row] = plan_table(source).to_pylist()
+        [(lineage, data)] = load_references(row)
+        assert data == ref.read_bytes(), source
+        assert lineage["path"] == str(ref), (source, lineage)

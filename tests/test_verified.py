@@ -134,9 +134,11 @@ def test_the_check_costs_one_listing_per_folder_whatever_the_number_of_shards(tm
         assert sorted(listings) == [("data",), ("images",), ("webdataset",)]  # one each, recursive: not one per shard
     # As the ledger holds them (an image folder as its count and bytes): an image cut short is found too.
     (store.local("images/shard-00007") / "2.png").write_bytes(b"x" * 6)
+    store.write_bytes("data/shard-00004.parquet", b"x" * 3)  # a file cut short: its size tells
     slim = {i: {**st, "files": index_form(st["files"])} for i, st in states.items()}
     assert slim[7]["files"]["images/shard-00007/"] == [3, 21]
     assert listed_damage(store, slim) == {
+        4: "data/shard-00004.parquet has 3 bytes, its state recorded 4 bytes",
         7: "images/shard-00007/ holds 3 files of 20 bytes, its state recorded 3 files of 21 bytes",
         n - 2: f"images/shard-{n - 2:05d}/ holds 2 files of {2 * (n - 2)} bytes, its state recorded 3 files of "
         f"{3 * (n - 2)} bytes",
