@@ -134,13 +134,14 @@ class _Nights:
     shards it selected done, as a run would; `plan` also returns pass 1's reads of the source: [offset, rows] per
     call of the reader, offset in bytes (`reads` after a refusal); `rows` reads a shard's rows as pass 2 does."""
 
-    def __init__(self, tmp_path, monkeypatch, path, *overrides: str):
+    def __init__(self, tmp_path, monkeypatch, path, *overrides: str, out: str | None = None):
         from launcher.config import load_config
         from launcher.ledger import prompts
         from launcher.ledger.store import Store
 
         job = [f"dataset.path={path}", "dataset.id_column=uid", "run.shard_size=4", *overrides]
-        self.cfg, self.store, self.states, self.reads = load_config("tiny", job), Store(tmp_path / "out"), {}, []
+        self.cfg, self.states, self.reads = load_config("tiny", job), {}, []
+        self.store = Store(out or str(tmp_path / "out"))
         real = prompts.file_batches
 
         def spy(src, files, start=0, offset=0):
@@ -206,6 +207,40 @@ def test_a_jsonl_that_grew_is_read_from_its_old_end(tmp_path, monkeypatch):
     assert [(s.rows, s.status) for s in third.shards[3:]] == [(3, "done"), (1, "pending")]
     assert nights.rows(third, 4) == [("q3", MORE[3]["prompt"])]
     assert nights.reads == [[old_end, 1]]
+
+
+def test_an_id_map_on_an_object_store_plans_as_on_disk_and_fetches_its_hash_runs_once(tmp_path, monkeypatch, s3):
+    """The id map of an output folder on S3: a rerun plans what the same folder on disk plans (an edit in a done
+    shard caught as there), and fetches the map's hash runs once each, into one local folder."""
+    from launcher.errors import ConfigError
+    from launcher.ledger import idmap
+
+    fetched = []
+    real = idmap.Index._open
+    monkeypatch.setattr(idmap.Index, "_open", lambda self, rel: fetched.append(rel) or real(self, rel))
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    on_disk = _Nights(tmp_path, monkeypatch, src)
+    remote = _Nights(tmp_path, monkeypatch, src, out=f"s3://meshgen-test/{tmp_path.name}")
+    plans = [(on_disk.plan()[0], remote.plan()[0])]
+    append(src, MORE)
+    plans.append((on_disk.plan()[0], remote.plan()[0]))
+    for disk, s3_plan in plans:
+        assert [(s.index, s.rows, s.status, s.fingerprint) for s in s3_plan.shards] == [
+            (s.index, s.rows, s.status, s.fingerprint) for s in disk.shards
+        ]
+    assert remote.rows(plans[1][1], 3) == on_disk.rows(plans[1][0], 3) == [(r["uid"], r["prompt"]) for r in MORE]
+    index = idmap.load(remote.store, 4)
+    fetched.clear()
+    paths = index.run_paths()  # the map's hash runs, memory-mapped from local copies
+    assert paths and fetched == index.data["runs"] and all(p.parent == paths[0].parent for p in paths)
+    assert [p.read_bytes() for p in paths] == [remote.store.read_bytes(rel) for rel in index.data["runs"]]
+    assert [p.name for p in paths] == [rel.rsplit("/", 1)[1] for rel in index.data["runs"]]
+    fetched.clear()
+    assert index.run_paths() == paths and fetched == []  # fetched once a file
+    write(src, [{**ROWS[0], "prompt": "another"}, *ROWS[1:], *MORE])
+    with pytest.raises(ConfigError, match=r"shards \[0\] are done but their prompts changed since \(samples p000\)"):
+        remote.plan()
 
 
 def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
