@@ -667,6 +667,36 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
     assert "(r0.png) since" in stale_message(by_id, {0: ([], False, refs[:1])})
 
 
+def test_the_prompts_fingerprint_sees_values_not_their_layout():
+    """launcher/ledger/shards.py prompts_fingerprint: the same values hash the same however Arrow lays them out (a
+    slice, several chunks); an all-empty string column is hashed, an all-null one left out; a kept column of any
+    other type hashes its type and its values as JSON, dates and structs included, whatever the order of a
+    struct's fields."""
+    import datetime
+
+    import pyarrow as pa
+
+    from launcher.ledger.shards import prompts_fingerprint as fp
+
+    base = {"id": pa.array(["a", "b"]), "prompt": pa.array(["x", "y"])}
+    empty = fp(pa.table({**base, "negative_prompt": pa.array(["", ""])}))
+    assert fp(pa.table({**base, "negative_prompt": pa.array(["z", "", ""]).slice(1)})) == empty
+    assert empty != fp(pa.table(base)) == fp(pa.table({**base, "negative_prompt": pa.array([None, None], pa.string())}))
+    chunked = pa.chunked_array([pa.array(["x"]), pa.array(["y"])])
+    assert fp(pa.table({"id": base["id"], "prompt": chunked})) == fp(pa.table(base))
+
+    day = [datetime.datetime(2026, 12, 3), datetime.datetime(2026, 12, 4)]
+    dated = fp(pa.table({**base, "taken": pa.array(day)}))  # no JSON type: hashed as its text
+    assert dated != fp(pa.table({**base, "taken": pa.array([day[0], day[0]])}))
+    one = pa.array([{"a": 1, "b": "p"}, {"a": 2, "b": "q"}])
+    other_order = pa.array([{"b": "p", "a": 1}, {"b": "q", "a": 2}])
+    assert fp(pa.table({**base, "meta": one})) != fp(pa.table({**base, "meta": pa.array([{"a": 1, "b": "p"}] * 2)}))
+    # the struct's type names its fields in their order: only the values' JSON is order-free
+    assert fp(pa.table({**base, "meta": one})) != fp(pa.table({**base, "meta": other_order}))
+    typed = fp(pa.table({**base, "tags": pa.array([[1], [2]], pa.list_(pa.int32()))}))
+    assert typed != fp(pa.table({**base, "tags": pa.array([[1], [2]], pa.list_(pa.int64()))}))  # its type is hashed
+
+
 def test_run_stale_keep_is_recorded_in_done_states_only_and_read_back_as_kept_stale(tmp_path):
     """DESIGN.md run.stale=keep: a kept shard's state records the changed prompts' fingerprint (and the ids that
     changed, where there are ids); the same command finds it done, and status, report and card show it as
