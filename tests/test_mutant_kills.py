@@ -1361,6 +1361,17 @@ def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_boun
     cut = tmp_path / "cut.png"
     cut.write_bytes(data[: len(data) - 30])  # its header and part of its pixels
     assert refusal(cut).startswith(f"{at}: reference {cut} is damaged or cut short (")
+    monkeypatch.setattr(rc, "DECODE_BYTES", len(data) - 30)  # decoded in full up to this size, and at it
+    assert refusal(cut).startswith(f"{at}: reference {cut} is damaged or cut short (")
+    monkeypatch.setattr(rc, "DECODE_BYTES", len(data) - 31)  # past it only the header is read: what a run finds
+    assert rc.hash_file(str(cut), at, mp)[1] == (64, 512)
+    monkeypatch.setattr(rc, "DECODE_BYTES", 8 << 20)
+    big = tmp_path / "big.png"
+    _png(big, 1024, 1024)
+    assert rc.hash_file(str(big), at, 1 << 20)[1] == (1024, 1024)  # at the family's limit
+    assert refusal(big, 1 << 19) == (
+        f"{at}: reference {big} is 1024x1024 (1.0 megapixels), more than the 0.5 this model family takes; downscale it"
+    )
     monkeypatch.setattr(rc, "MAX_BYTES", len(data) - 1)
     assert refusal(ok) == (
         f"{at}: reference {ok} is larger than 0 MiB, more than an image within this family's 1.0 megapixels needs; "
