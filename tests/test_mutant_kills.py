@@ -1720,6 +1720,26 @@ def test_the_fast_reader_gives_up_on_each_value_the_exact_reader_must_judge(case
     assert [r["prompt"] for r in fast] == [f"p{k}" for k in range(len(rows))]
 
 
+def test_each_changed_shard_names_its_first_five_changed_ids_once_each():
+    """launcher/ledger/idresolve.py _name: for the refusal and kept_ids, each shard keeps up to five changed ids, the
+    first of its rows in order, an id twice counted once, added to what that shard named already."""
+    import numpy as np
+    import pyarrow as pa
+
+    from launcher.ledger.idresolve import _name
+
+    shards = np.array([2, 0, 2, 2, 0, 2, 2, 2, 2, 1, 0])
+    ids = pa.array(["x", "p", "x", "a", "q", "b", "c", "d", "e", "z", "r"])
+    changed = {0: ["o1", "o2", "o3", "o4"], 1: [], 2: []}
+    _name(changed, shards, ids)
+    # shard 2's first five rows are x, x, a, b, c: four ids; shard 0 had four and takes one more
+    assert changed == {0: ["o1", "o2", "o3", "o4", "p"], 1: ["z"], 2: ["x", "a", "b", "c"]}
+    full = {0: ["o1", "o2", "o3", "o4", "o5"], 1: [], 2: []}
+    _name(full, shards, ids)
+    assert full[0] == ["o1", "o2", "o3", "o4", "o5"]
+    _name(full, np.array([], np.int64), pa.array([], pa.string()))  # nothing changed: nothing named
+
+
 def test_an_old_maps_rows_are_found_by_id_once_each():
     """launcher/ledger/idplan.py: each id read now is found in its file's old map by its hash and its name; one
     read twice is found once (the second is a duplicate), one matched before is not found again, and an id the
