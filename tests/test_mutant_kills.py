@@ -1764,18 +1764,37 @@ def test_an_old_maps_rows_are_found_by_id_once_each():
     assert own.unmatched()["id"].to_pylist() == ["x", "y"]
 
 
-def test_a_shards_image_folder_is_replaced_whole(tmp_path):
-    """Store.put_folder on disk: the folder holds exactly the files given, an earlier attempt's extra files gone,
-    and no temporary folder is left beside it."""
+@pytest.mark.parametrize("where", ["disk", "s3", "gs"])
+def test_a_shards_image_folder_is_replaced_whole(where, tmp_path, request, monkeypatch):
+    """Store.put_folder: the folder holds exactly the files given, an earlier attempt's extra files gone; on disk
+    no temporary folder is left beside it, even where a write fails (a full disk) and the old folder stays; on an
+    object store the other folders' files stay."""
+    import os
+
     from launcher.ledger.store import Store
 
-    store = Store(tmp_path)
+    if where != "disk":
+        request.getfixturevalue({"s3": "s3", "gs": "gcs"}[where])  # the local S3 or GCS server
+    store = Store(str(tmp_path) if where == "disk" else f"{where}://meshgen-test/{tmp_path.name}")
+    store.write_bytes("images/shard-00004/keep.png", b"4")
+
+    def held(rel):
+        return {f.base_name: store.read_bytes(f"{rel}/{f.base_name}") for f in store.files(rel)}
+
     store.put_folder("images/shard-00003", {"a.png": b"1", "b.png": b"22"})
-    folder = tmp_path / "images" / "shard-00003"
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"a.png": b"1", "b.png": b"22"}
+    assert held("images/shard-00003") == {"a.png": b"1", "b.png": b"22"}
     store.put_folder("images/shard-00003", {"b.png": b"333", "c.png": b""})
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"b.png": b"333", "c.png": b""}
-    assert [p.name for p in (tmp_path / "images").iterdir()] == ["shard-00003"]
+    assert held("images/shard-00003") == {"b.png": b"333", "c.png": b""}
+    assert held("images/shard-00004") == {"keep.png": b"4"}
+    if where == "disk":
+        assert sorted(p.name for p in (tmp_path / "images").iterdir()) == ["shard-00003", "shard-00004"]
+        real = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        with pytest.raises(OSError, match="No space left"):
+            store.put_folder("images/shard-00003", {"d.png": b"5"})
+        monkeypatch.setattr(os, "fsync", real)
+        assert sorted(p.name for p in (tmp_path / "images").iterdir()) == ["shard-00003", "shard-00004"]
+        assert held("images/shard-00003") == {"b.png": b"333", "c.png": b""}
 
 
 def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_file(tmp_path, caplog):
