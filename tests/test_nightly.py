@@ -247,10 +247,10 @@ def test_pass_2_hands_each_shard_over_once_its_last_row_is_read(tmp_path, monkey
     """launcher/ledger/idpass2.py: a selected shard's rows are handed to the plan file as soon as the batch holding
     its last row was read (a batch is held only until its shard is whole), in the order the maps foretold; a
     shard whose ids all left the source comes first, with no rows."""
-    from launcher.ledger import prompts_fast
+    from launcher.ledger import prompts, prompts_fast
     from launcher.ledger.plan_ids import id_tables
 
-    monkeypatch.setattr(prompts_fast, "_BLOCK", 100)  # JSON lines read ~2 rows a batch
+    monkeypatch.setattr(prompts_fast, "_BLOCK", 4 * 54)  # JSON lines of 54 bytes: batches end where shards 0, 1 do
     src = tmp_path / "a.jsonl"
     write(src, [*ROWS, *MORE])  # shards of 4: p000-p003, p004-p007, p008 p009 q0 q1, q2 q3
     nights = _Nights(tmp_path, monkeypatch, src, "run.stale=regenerate")
@@ -259,17 +259,20 @@ def test_pass_2_hands_each_shard_over_once_its_last_row_is_read(tmp_path, monkey
     write(src, [*ROWS, *MORE[:2]])  # q2 and q3 left: shard 3 has no row now
     plan, _ = nights.plan()
     assert plan.selected == [0, 1, 2, 3]
-    nights.reads = []
+    ends, real = [0], prompts.file_batches  # rows read when each batch was handed over
+
+    def batches(*a):
+        for got in real(*a):
+            ends.append(ends[-1] + got[2].num_rows)
+            yield got
+
+    monkeypatch.setattr(prompts, "file_batches", batches)
     order, shards = id_tables(nights.store, nights.cfg, plan, None)
-    seen = []
-    for s, rows in shards:
-        seen.append((s, sum(r[1] for r in nights.reads), rows.num_rows if rows is not None else None))
-    assert order == [3, 0, 1, 2]
+    seen = [(s, ends[-1], rows.num_rows if rows is not None else None) for s, rows in shards]
+    assert order == [3, 0, 1, 2] and len(ends) >= 4  # three batches or more
     last_row = {0: 4, 1: 8, 2: 12}  # rows read up to and with each shard's last one
-    assert seen[0] == (3, 0, None)
-    for s, read, n in seen[1:]:
-        assert last_row[s] <= read < last_row[s] + 3, seen  # the batch holding its last row, and no further
-        assert n == 4, seen
+    assert seen == [(3, 0, None), *[(s, min(e for e in ends if e >= last_row[s]), 4) for s in (0, 1, 2)]], (seen, ends)
+    assert {4, 8} <= set(ends), ends  # a batch that ends with a shard is handed over with it
 
 
 def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
