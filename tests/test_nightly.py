@@ -275,6 +275,29 @@ def test_pass_2_hands_each_shard_over_once_its_last_row_is_read(tmp_path, monkey
     assert {4, 8} <= set(ends), ends  # a batch that ends with a shard is handed over with it
 
 
+@pytest.mark.parametrize("edit", ["prompt", "id"])
+def test_a_source_edited_between_the_two_passes_is_refused(edit, tmp_path, monkeypatch):
+    """launcher/ledger/idpass2.py: pass 2 gathers the rows pass 1 mapped, and checks them (their ids and row
+    hashes): a row edited in between (its prompt, or its id, at the same length) stops the run with one line."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    plan, _ = nights.plan()
+    changed = (
+        {**ROWS[5], "prompt": ROWS[5]["prompt"].replace("city", "town")}
+        if edit == "prompt"
+        else {**ROWS[5], "uid": "p999"}
+    )
+    write(src, [*ROWS[:5], changed, *ROWS[6:]])
+    with pytest.raises(ConfigError) as e:
+        nights.rows(plan, 1)  # the plan file, whose shard 1 holds that row
+    assert str(e.value) == (
+        f"the prompt source {src} changed while this run was planned; run the same command again once it is complete"
+    )
+
+
 def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
     """An edit before the old end (in the last line or the first, the same length, so the old end is still a line
     end) makes a file that grew a changed one: read whole, and the edit is caught. So is a file that shrank."""
