@@ -1834,6 +1834,11 @@ def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_fil
     assert ledger.damaged == {}
     (state / "shard-00000.json").unlink()
     assert ledger.refresh() == {1: done}
+    (state / "shard-00002.json").write_text("{cut")  # damaged, then removed: forgotten as well
+    ledger.refresh()
+    assert set(ledger.damaged) == {2}
+    (state / "shard-00002.json").unlink()
+    assert ledger.refresh() == {1: done} and ledger.damaged == {}
 
 
 def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
