@@ -1841,6 +1841,40 @@ def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_fil
     assert ledger.refresh() == {1: done} and ledger.damaged == {}
 
 
+def test_attempts_count_failures_alike_in_a_row_and_the_attempt_that_finally_worked():
+    """launcher/ledger/states.py attempts_of: a shard's attempts in a row that ended as this one did: the first, or
+    one after a done state, is 1; a failure with the error class of the failure before adds one to its count (a
+    state from before counts were kept counts as 1); another error class starts again at 1; a success after failures
+    counts them all, itself included."""
+    from launcher.ledger.states import attempts_of
+
+    failed = {"status": "failed", "error_class": "OutOfMemoryError", "attempts": 2}
+    assert attempts_of(None, {"status": "failed", "error_class": "OutOfMemoryError"}) == 1
+    assert attempts_of({"status": "done", "attempts": 3}, {"status": "failed", "error_class": "X"}) == 1
+    assert attempts_of(failed, {"status": "failed", "error_class": "OutOfMemoryError"}) == 3
+    assert attempts_of({**failed, "attempts": None}, {"status": "failed", "error_class": "OutOfMemoryError"}) == 2
+    assert attempts_of({"status": "failed", "error_class": "X"}, {"status": "failed", "error_class": "X"}) == 2
+    assert attempts_of(failed, {"status": "failed", "error_class": "ValueError"}) == 1
+    assert attempts_of(failed, {"status": "done", "rows": 8}) == 3
+
+
+def test_the_ledger_keeps_a_done_states_files_in_index_form_and_no_traceback(tmp_path):
+    """launcher/ledger/states.py _slim: what the ledger holds of a state: its fields less the traceback, and its
+    files as the index keeps them (an image folder as its count and bytes, each other file as its size)."""
+    from launcher.ledger.states import Ledger, state_rel
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    files = {"data/shard-00000.parquet": [10, "a" * 64], "images/shard-00000/x.png": [3, "b" * 64]}
+    files["images/shard-00000/y.png"] = [4, "c" * 64]
+    store.write_json(state_rel(0), {"status": "done", "rows": 2, "files": files, "traceback": "t"})
+    store.write_json(state_rel(1), {"status": "failed", "error": "e", "traceback": "long"})
+    assert Ledger(store).refresh() == {
+        0: {"status": "done", "rows": 2, "files": {"data/shard-00000.parquet": [10], "images/shard-00000/": [2, 7]}},
+        1: {"status": "failed", "error": "e"},
+    }
+
+
 def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
     """launcher/ledger/references.py plan_row: a row's references (a path, relative to the source's folder, a list
     of them, or images stored in the row) are each hashed (sha256 of their bytes) and located for lineage; the
