@@ -1692,21 +1692,26 @@ SIZED = {  # rows of a JSON lines source -> whether the fast reader must give up
     "a negative seed": ([{"seed": -1}], True),
     "steps past the bound": ([{"num_inference_steps": 10**6}], True),
     "guidance as text": ([{"guidance_scale": "7"}], True),
+    "ids of 1 and 200 bytes": ([{"id": "a"}, {"id": "é" * 100}], False),
+    "an empty id": ([{"id": "a"}, {"id": ""}], True),
+    "an id of 201 bytes": ([{"id": "b" * 201}], True),
+    "an id with a control character": ([{"id": "a\x07b"}], True),
 }
 
 
 @pytest.mark.parametrize("case", SIZED)
 def test_the_fast_reader_gives_up_on_each_value_the_exact_reader_must_judge(case, tmp_path):
-    """launcher/ledger/prompts_fast.py: with the model's size rule (multiples of 16, at most 1024x1024 pixels) and
-    the bounds of seeds and steps, a batch holding a value the exact reader refuses or must name is given up whole;
-    one whose values all fit is read by the fast reader itself, as the exact reader reads it."""
+    """launcher/ledger/prompts_fast.py: with the model's size rule (multiples of 16, at most 1024x1024 pixels), the
+    bounds of seeds and steps and those of ids, a batch holding a value the exact reader refuses or must name is
+    given up whole; one whose values all fit is read by the fast reader itself, as the exact reader reads it."""
     from launcher.ledger import prompts, prompts_fast
     from launcher.ledger.prompts import SizeRule, Source, _GiveUp
 
     rows, gives_up = SIZED[case]
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"p{k}", **r}) + "\n" for k, r in enumerate(rows)))
-    src = Source(str(f), sizes=SizeRule(16, 1024 * 1024, 64, 64))
+    ids = "id" if any("id" in r for r in rows) else None  # ids at most 200 bytes of UTF-8, none empty
+    src = Source(str(f), sizes=SizeRule(16, 1024 * 1024, 64, 64), id_column=ids)
     if gives_up:
         with pytest.raises(_GiveUp):
             list(prompts_fast.fast_batches(str(f), src, 10))
