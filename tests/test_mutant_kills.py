@@ -1745,6 +1745,24 @@ def test_each_changed_shard_names_its_first_five_changed_ids_once_each():
     _name(full, np.array([], np.int64), pa.array([], pa.string()))  # nothing changed: nothing named
 
 
+def test_the_fast_reader_reads_lines_up_to_the_line_bound_and_gives_up_past_it(tmp_path, monkeypatch):
+    """launcher/ledger/prompts_fast.py: a .txt line is read at most LINE_BYTES characters at a time (a longer one
+    is never held whole): lines within the bound are read by the fast reader itself, as the exact reader reads them;
+    a longer one makes it give up (the exact reader names its line) rather than split it."""
+    from launcher.ledger import prompts, prompts_fast, prompts_raw
+    from launcher.ledger.prompts import Source, _GiveUp
+
+    for module in (prompts_fast, prompts_raw):
+        monkeypatch.setattr(module, "LINE_BYTES", 20)
+    f = tmp_path / "p.txt"
+    f.write_text("a" * 19 + "\nbb\n")
+    fast = [r["prompt"] for b in prompts_fast.fast_batches(str(f), Source(str(f)), 0) for r in b.to_pylist()]
+    assert fast == [r["prompt"] for r in prompts._exact_rows(str(f), Source(str(f)), 0)] == ["a" * 19, "bb"]
+    f.write_text("c" * 25 + "\nbb\n")
+    with pytest.raises(_GiveUp):
+        list(prompts_fast.fast_batches(str(f), Source(str(f)), 0))
+
+
 def test_an_old_maps_rows_are_found_by_id_once_each():
     """launcher/ledger/idplan.py: each id read now is found in its file's old map by its hash and its name; one
     read twice is found once (the second is a duplicate), one matched before is not found again, and an id the
