@@ -127,6 +127,13 @@ def test_duplicate_hashes_are_found_across_buckets_with_the_run_sorted(tmp_path)
     (run,) = open_runs([tmp_path / "run.u64"])
     assert run.tolist() == sorted(set(values.tolist()))  # sorted, each hash once
     assert seen([run], np.array([values[5], values[5] + np.uint64(1)], np.uint64)).tolist() == [True, False]
+    # several runs (an empty one among them): a hash is seen if any run holds it, past the end of one included
+    a, b = np.array([10, 20, 30], np.uint64), np.array([5, 25, 40], np.uint64)
+    asked = np.array([10, 40, 30, 5, 31, 41, 0, 25], np.uint64)
+    want = [True, True, True, True, False, False, False, True]
+    for runs in ([np.zeros(0, np.uint64), a, b], [a, np.zeros(0, np.uint64), b], [b, a]):
+        assert seen(runs, asked).tolist() == want
+    assert seen([], asked).tolist() == [False] * 8
 
 
 class _Nights:
