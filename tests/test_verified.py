@@ -145,6 +145,22 @@ def test_the_check_costs_one_listing_per_folder_whatever_the_number_of_shards(tm
     }
 
 
+def test_a_state_from_before_files_were_recorded_is_checked_for_its_parquet_only_where_it_recorded_its_size(tmp_path):
+    """launcher/ledger/verify.py recorded: a done state without "files" (an earlier version's) names its Parquet
+    file when it recorded data_bytes, and nothing otherwise; a failed state is not checked."""
+    from launcher.ledger.verify import listed_damage
+
+    store = Store(tmp_path)
+    store.write_bytes("data/shard-00002.parquet", b"x")
+    states = {
+        0: {"status": "done", "rows": 2, "data_bytes": 10},  # its Parquet is gone
+        1: {"status": "done", "rows": 2},  # nothing recorded: nothing to check
+        2: {"status": "done", "rows": 2, "data_bytes": 10},  # there (its size was never recorded)
+        3: {"status": "failed", "error": "x", "data_bytes": 10},
+    }
+    assert listed_damage(store, states) == {0: "data/shard-00000.parquet is missing"}
+
+
 def test_states_from_before_files_were_recorded_are_checked_for_what_they_recorded(run_job, status, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run_job(*JOB), out, ignore=shutil.ignore_patterns("locks"))
