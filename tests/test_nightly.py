@@ -305,6 +305,27 @@ def test_a_source_edited_between_the_two_passes_is_refused(edit, tmp_path, monke
     )
 
 
+def test_pass_2_reads_only_the_files_that_hold_a_selected_shards_rows(tmp_path, monkeypatch):
+    """A rerun costs what changed: with two files, a failed shard whose rows are all in the second is gathered from
+    the second alone (the map says which rows of which file each shard holds)."""
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "a.jsonl", ROWS)  # p000-p009: shards 0, 1, 2
+    write(d / "b.jsonl", MORE)  # q0-q3: with p008 and p009 shard 2, then shard 3 (q2, q3)
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    first, _ = nights.plan()
+    assert [s.rows for s in first.shards] == [4, 4, 4, 2]
+    del nights.states[3]  # its run failed
+    again, read = nights.plan()
+    assert again.selected == [3] and read == []  # no file changed: pass 1 read nothing
+    assert nights.rows(again, 3) == [(r["uid"], r["prompt"]) for r in MORE[2:]]
+    assert nights.reads == [[0, 4]]  # b.jsonl's rows, and not a.jsonl's ten
+    del nights.states[1], nights.states[2]  # shard 2 spans both files
+    again, _ = nights.plan()
+    assert again.selected == [1, 2] and nights.rows(again, 1) == [(r["uid"], r["prompt"]) for r in ROWS[4:8]]
+    assert len(nights.reads) == 2 and nights.reads[0][0] == 0  # now both files, each once
+
+
 def test_a_file_whose_old_tail_changed_is_read_whole(tmp_path, monkeypatch):
     """An edit before the old end (in the last line or the first, the same length, so the old end is still a line
     end) makes a file that grew a changed one: read whole, and the edit is caught. So is a file that shrank."""
