@@ -1864,6 +1864,39 @@ def test_the_ledger_reads_each_changed_state_once_and_warns_once_per_damaged_fil
     assert ledger.refresh() == {1: done} and ledger.damaged == {}
 
 
+def test_a_stranger_folder_is_refused_naming_three_of_its_entries_and_how_many_more(tmp_path):
+    """launcher/ledger/runs.py check_ours: a non-empty folder without run.json is refused naming up to three of
+    its entries and how many more; a folder that does not exist yet, or holds only empty folders, is fine."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_ours, without_weights
+    from launcher.ledger.store import Store
+
+    check_ours(Store(tmp_path / "new"))  # not there yet
+    (tmp_path / "empty" / "state").mkdir(parents=True)
+    check_ours(Store(tmp_path / "empty"))
+    out = tmp_path / "theirs"
+    out.mkdir()
+    for name in ("c.txt", "a.txt", "b.txt"):
+        (out / name).write_text("x")
+    said = "output.dir {} is not empty and is not a meshgen folder (no run.json; it holds {}); choose an empty or "
+    said += "new folder"
+    with pytest.raises(ConfigError) as e:
+        check_ours(Store(out))
+    assert str(e.value) == said.format(out, "a.txt, b.txt, c.txt")
+    (out / "d.txt").write_text("x")
+    with pytest.raises(ConfigError) as e:
+        check_ours(Store(out))
+    assert str(e.value) == said.format(out, "a.txt, b.txt, c.txt and 1 more")
+
+    # settings compared where one side does not know the weights: the model's other keys still count
+    assert without_weights({"model": {"path": "m", "weights": "sha256 1"}, "seed": 0}) == {
+        "model": {"path": "m"},
+        "seed": 0,
+    }
+    assert without_weights({"model": {"weights": "sha256 1"}, "seed": 0}) == {"seed": 0}
+    assert without_weights({"seed": 0}) == {"seed": 0}
+
+
 def test_attempts_count_failures_alike_in_a_row_and_the_attempt_that_finally_worked():
     """launcher/ledger/states.py attempts_of: a shard's attempts in a row that ended as this one did: the first, or
     one after a done state, is 1; a failure with the error class of the failure before adds one to its count (a
