@@ -1897,6 +1897,25 @@ def test_a_stranger_folder_is_refused_naming_three_of_its_entries_and_how_many_m
     assert without_weights({"seed": 0}) == {"seed": 0}
 
 
+def test_dead_claims_go_and_a_folder_without_claims_or_a_strangers_file_are_left_alone(tmp_path):
+    """launcher/ledger/claims.py forget_dead: a folder with no claims/ yet is fine; a claim cut short (its writer died
+    mid-write) or of a run holding no lock is deleted; what is not a claim (.json) stays, and so does its folder."""
+    from launcher.ledger.claims import forget_dead
+    from launcher.ledger.store import Store
+
+    store = Store(tmp_path)
+    forget_dead(store)  # no claims/ at all
+    assert not (tmp_path / "claims").exists()
+    store.write_bytes("claims/shard-00001/g00000.json", b'{"worker": 0, "ru')
+    store.write_bytes("claims/shard-00002/g00000.json", b'{"worker": 0, "run_id": "gone"}')
+    store.write_bytes("claims/shard-00002/notes.txt", b"mine")
+    forget_dead(store)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "claims").rglob("*")) == [
+        "claims/shard-00002",
+        "claims/shard-00002/notes.txt",
+    ]
+
+
 def test_attempts_count_failures_alike_in_a_row_and_the_attempt_that_finally_worked():
     """launcher/ledger/states.py attempts_of: a shard's attempts in a row that ended as this one did: the first, or
     one after a done state, is 1; a failure with the error class of the failure before adds one to its count (a
