@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from launcher.errors import ConfigError
 from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
 from launcher.ledger.prompts import _INT_COLUMNS, OVERRIDE_COLUMNS, Source
-from launcher.ledger.prompts_raw import raw_rows
+from launcher.ledger.prompts_raw import missing_column, raw_rows
 
 
 def exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dict]:
@@ -35,19 +35,13 @@ def _exact_row(where: str, r, n: int, src: Source) -> dict:
         raise ConfigError(f"{where}: {r.reason}")
     prompt = r.get(col)
     if col not in r:
-        raise ConfigError(
-            f"{where} has no prompt column {col!r} (dataset.prompt_column); "
-            f"columns found: {', '.join(map(str, r)) or 'none'}"
-        )
+        raise ConfigError(missing_column(where, col, "prompt", r or ["none"]))
     if not isinstance(prompt, str):
         raise ConfigError(f"{where}: the prompt ({col!r}) is {_kind(prompt)}, not text; fix that row")
     if too_long := text_problem(f"the prompt ({col!r})", prompt):
         raise ConfigError(f"{where}: {too_long}")
     if id_col and id_col not in r:
-        raise ConfigError(
-            f"{where} has no id column {id_col!r} (dataset.id_column); "
-            f"columns found: {', '.join(map(str, r))}; fix the row or set dataset.id_column=null"
-        )
+        raise ConfigError(f"{missing_column(where, id_col, 'id', r)}; fix the row or set dataset.id_column=null")
     if id_col and r[id_col] is None:
         raise ConfigError(f"{where}: the id ({id_col!r}) is missing (null); give the row an id or remove the row")
     rid = str(r[id_col]) if id_col else str(n)

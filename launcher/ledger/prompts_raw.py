@@ -155,7 +155,7 @@ def _csv(f: str, col: str, offset: int = 0, role: str = "prompt") -> Iterator[tu
     except csv.Error as e:
         raise ConfigError(f"dataset {f}, line {reader.line_num}: malformed CSV header ({e}); fix that line") from None
     if header and col not in header:  # say so even when the file has a header and no rows
-        raise ConfigError(missing_column(f, col, role, header))
+        raise ConfigError(missing_column(f"dataset {f}", col, role, header))
     if bad:
         raise ConfigError(f"dataset {f}, line 1: {next(iter(bad.values()))}")
     last = reader.line_num
@@ -214,13 +214,14 @@ def csv_header(f: str) -> list[str]:
     return header
 
 
-def missing_column(f: str, col: str, role: str, names: list[str]) -> str:
-    return f"dataset {f} has no {role} column {col!r} (dataset.{role}_column); columns found: {', '.join(names)}"
+def missing_column(where: str, col: str, role: str, names) -> str:
+    """The one wording of a source (or row) without the column `dataset.<role>_column` names."""
+    return f"{where} has no {role} column {col!r} (dataset.{role}_column); columns found: {', '.join(map(str, names))}"
 
 
 def _wanted(names: list[str], col: str, id_col: str | None, f: str, role: str = "prompt") -> list[str]:
     if col not in names:
-        raise ConfigError(missing_column(f, col, role, names))
+        raise ConfigError(missing_column(f"dataset {f}", col, role, names))
     # Only the columns we use: a prompt source may also carry images or embeddings we would never look at.
     return [c for c in dict.fromkeys((col, id_col, *OVERRIDE_COLUMNS)) if c in names]
 

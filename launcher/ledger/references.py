@@ -67,13 +67,11 @@ def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
 
 
 def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
-    from launcher.ledger.prompts_raw import raw_rows
+    from launcher.ledger.prompts_raw import missing_column, raw_rows
 
     for where, r in raw_rows(f, col, None, role="image"):
         if col not in r:  # a JSON line without it (a CSV's header says so before its first row)
-            raise ConfigError(
-                f"{where} has no image column {col!r} (dataset.image_column); columns found: {', '.join(map(str, r))}"
-            )
+            raise ConfigError(missing_column(where, col, "image", r))
         value = r[col]
         if isinstance(value, str) and value.startswith("["):  # a CSV cell can hold a JSON list of paths
             try:
@@ -86,12 +84,10 @@ def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
 def _arrow_rows(f: str, col: str, fs, p: str) -> Iterator[tuple[str, int, object]]:
     import pyarrow.parquet as pq
 
-    from launcher.ledger.prompts_raw import saved_dataset_files
+    from launcher.ledger.prompts_raw import missing_column, saved_dataset_files
 
     def missing(names):
-        return ConfigError(
-            f"dataset {f} has no image column {col!r} (dataset.image_column); columns found: {', '.join(names)}"
-        )
+        return ConfigError(missing_column(f"dataset {f}", col, "image", names))
 
     n = 0
     if fs.get_file_info(p).type.name == "Directory":
