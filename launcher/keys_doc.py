@@ -42,7 +42,10 @@ DESCRIPTIONS: dict[str, str] = {
     "dataset.id_column": "The column that holds each row's id (null: the row number). With ids, shards hold ids "
     "fixed when first planned: new ids go to new shards, inserted, deleted or moved rows change no other shard, and "
     "unchanged source files are not read again (the id map under sources/).",
-    "dataset.limit": "Use only the first N rows (not part of the fingerprint).",
+    "dataset.limit": (
+        "Use only the first N rows (not part of the fingerprint); a shard done cut short by a lower limit is "
+        "generated again once a higher limit, or none, asks for more of its rows."
+    ),
     "dataset.image_column": "job=edit: the column holding each row's reference image(s): an Image struct, a path, "
     "or a list of those.",
     "dataset.bad_rows": "A row that cannot be generated: refuse (exit 2 naming it) or skip (set aside in "

@@ -147,7 +147,7 @@ class _Nights:
         from launcher.ledger.store import Store
 
         job = [f"dataset.path={path}", "dataset.id_column=uid", "run.shard_size=4", *overrides]
-        self.cfg, self.states, self.reads = load_config("tiny", job), {}, []
+        self.cfg, self.states, self.reads, self.sizes = load_config("tiny", job), {}, [], None
         self.store = Store(out or str(tmp_path / "out"))
         real = prompts.file_batches
 
@@ -164,7 +164,7 @@ class _Nights:
         from launcher.ledger.plan_ids import commit_ids
 
         self.reads = []  # this plan's reads, kept when it refuses
-        plan, reads = make_plan(self.cfg, self.states, None, self.store), self.reads
+        plan, reads = make_plan(self.cfg, self.states, self.sizes, self.store), self.reads
         self.reads = []
         commit_ids(self.store, plan)
         for s in plan.shards:
@@ -572,3 +572,133 @@ def test_duplicates_set_aside_name_the_file_of_the_later_row_and_the_place_of_th
         (12, "q9", f"dataset {b}: duplicate id 'q9' (also row 0 of {b}); ids must be unique"),
     ]
     assert [s.rows for s in plan.shards[3:]] == [1]  # q9 alone is new
+
+
+def _shards(plan) -> list[tuple[int, int, str]]:
+    return [(s.index, s.rows, s.status) for s in plan.shards]
+
+
+def test_a_limit_plans_the_first_ids_and_a_shard_done_cut_grows_once_a_higher_limit_asks_for_more(
+    tmp_path, monkeypatch
+):
+    """DESIGN, `dataset.limit` (use only the first N rows; how the work is run, not what it makes) with ids: the
+    shards that hold the first N ids in shard order are planned, the last one cut to its first rows. A shard done
+    in full is done under any limit; one done cut is generated again, as a grown shard, once a higher limit (or
+    none) asks for more of its rows: never refused as changed."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # p000-p009: shards 0, 1, 2 of 4, 4, 2
+    nights = _Nights(tmp_path, monkeypatch, src, "dataset.limit=6")
+    plan, _ = nights.plan()
+    assert _shards(plan) == [(0, 4, "pending"), (1, 2, "pending")] and plan.selected == [0, 1]
+    assert nights.rows(plan, 1) == [(r["uid"], r["prompt"]) for r in ROWS[4:6]]
+    again, _ = nights.plan()
+    assert _shards(again) == [(0, 4, "done"), (1, 2, "done")] and again.selected == []
+    nights.cfg.dataset.limit = 4  # shard 0 whole: nothing cut, no shard of no rows
+    assert _shards(nights.plan()[0]) == [(0, 4, "done")]
+    nights.cfg.dataset.limit = 7
+    higher, _ = nights.plan()
+    assert _shards(higher) == [(0, 4, "done"), (1, 3, "grown")] and higher.selected == [1]
+    assert nights.rows(higher, 1) == [(r["uid"], r["prompt"]) for r in ROWS[4:7]]
+    nights.cfg.dataset.limit = None
+    whole, _ = nights.plan()
+    assert _shards(whole) == [(0, 4, "done"), (1, 4, "grown"), (2, 2, "pending")] and whole.selected == [1, 2]
+    assert _shards(nights.plan()[0]) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
+    # A limit at a shard's end cuts nothing: the shard is done whole, under no limit too.
+    exact = _Nights(tmp_path, monkeypatch, src, "dataset.limit=8", out=str(tmp_path / "exact"))
+    assert _shards(exact.plan()[0]) == [(0, 4, "pending"), (1, 4, "pending")]
+    exact.cfg.dataset.limit = None
+    assert _shards(exact.plan()[0]) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "pending")]
+    # A shard done cut whose rows changed since is stale, as any other.
+    write(src, [*ROWS[:5], {**ROWS[5], "prompt": "another"}, *ROWS[6:]])
+    edited = _Nights(tmp_path, monkeypatch, src, "dataset.limit=6", "run.stale=regenerate", out=str(tmp_path / "e"))
+    write(src, ROWS)
+    edited.plan()
+    write(src, [*ROWS[:5], {**ROWS[5], "prompt": "another"}, *ROWS[6:]])
+    edited.cfg.dataset.limit = None
+    assert _shards(edited.plan()[0])[1] == (1, 4, "stale")
+
+
+def _refusal(tmp_path, monkeypatch, rows, *overrides, sizes=None) -> str:
+    from launcher.errors import ConfigError
+
+    tmp_path.mkdir()
+    src = tmp_path / "a.jsonl"
+    write(src, rows)
+    nights = _Nights(tmp_path, monkeypatch, src, *overrides)
+    nights.sizes = sizes
+    with pytest.raises(ConfigError) as e:
+        nights.plan()
+    return str(e.value).replace(str(src), "SRC")
+
+
+def test_the_id_plan_refuses_a_bad_source_at_planning_with_one_line_naming_it(tmp_path, monkeypatch):
+    """The plan with ids checks what the plan by row number checks, each in one line that names the source: a
+    limit of no rows, a sweep key that a column also sets, a column the model's pipeline would not see (the first
+    id that sets it, past the first shard), a source with no rows, one whose every row was set aside."""
+    from launcher.ledger.prompts import SizeRule
+
+    assert _refusal(tmp_path / "1", monkeypatch, ROWS, "dataset.limit=0") == (
+        "dataset.limit=0 selects no prompts; use 1 or more, or null for all rows"
+    )
+    swept = [{**r, "guidance_scale": 3.0} if r["uid"] == "p006" else r for r in ROWS]
+    assert _refusal(tmp_path / "2", monkeypatch, swept, "generate.sweep={guidance_scale:[2.5,4.0]}") == (
+        "dataset SRC has a column 'guidance_scale', which generate.sweep.guidance_scale also sets; "
+        "drop the column or the sweep key"
+    )
+    negative = [{**r, "negative_prompt": "blur"} if r["uid"] in ("p005", "p007") else r for r in ROWS]
+    rule = SizeRule(16, 4 * 1024 * 1024, 64, 64, ignored=(("negative_prompt", "this model takes none"),))
+    assert _refusal(tmp_path / "3", monkeypatch, negative, sizes=rule) == (
+        "dataset SRC: column 'negative_prompt' is set (first at id 'p005'), but this model takes none"
+    )
+    assert _refusal(tmp_path / "4", monkeypatch, []) == (
+        "dataset SRC holds no prompts; add prompts or point dataset.path elsewhere"
+    )
+    bad = [{"uid": "", "prompt": "x"}, {"uid": "a\x01b", "prompt": "y"}]  # ids that cannot name a file
+    got = _refusal(tmp_path / "5", monkeypatch, bad, "dataset.bad_rows=skip")
+    assert got == (
+        "dataset SRC: every row was set aside (dataset.bad_rows=skip), e.g. SRC, line 1: the id ('uid') is empty; "
+        "give the row an id (it names the row's image files)"
+    )
+
+
+def test_with_n_images_a_prompt_id_that_another_prompts_sample_id_repeats_is_refused_in_any_file(tmp_path, monkeypatch):
+    """DESIGN, sample ids (`<id>-<k>` with images per prompt, `<id>@<v>` with a sweep): a prompt id may not be
+    another prompt's sample id. With ids, each night checks every id the map holds, the unchanged files' too; a
+    night where nothing changed checks nothing, and so does one image a prompt without a sweep."""
+    from launcher.errors import ConfigError
+
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "a.jsonl", ROWS)
+    ok = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "generate.images_per_prompt=2", out=str(tmp_path / "ok"))
+    assert [s.rows for s in ok.plan()[0].shards] == [4, 4, 2]
+    assert ok.plan()[0].selected == []  # nothing changed, nothing to check
+    write(d / "b.jsonl", [{"uid": "p003-1", "prompt": "a clash"}])  # a.jsonl unchanged: its old map is read
+    for n, clash in (("generate.images_per_prompt=2", "p003-1"), ("generate.sweep={seed:[1,2]}", "p003@1")):
+        write(d / "b.jsonl", [{"uid": clash, "prompt": "a clash"}])
+        nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", n, out=str(tmp_path / clash))
+        write(d / "b.jsonl", [])
+        nights.plan()
+        write(d / "b.jsonl", [{"uid": clash, "prompt": "a clash"}])
+        with pytest.raises(ConfigError) as e:
+            nights.plan()
+        what = "generate.images_per_prompt=2" if "-" in clash else "generate.sweep"
+        assert str(e.value) == (
+            f"dataset {d}/*.jsonl: with {what}, prompt 'p003' has a sample id {clash!r}, which is also the id of "
+            "another prompt; rename one of them (or use dataset.id_column)"
+        )
+    plain = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", out=str(tmp_path / "plain"))
+    assert [s.rows for s in plain.plan()[0].shards] == [4, 4, 3]  # one image a prompt: p003-1 is an id like any
+
+
+def test_a_done_shard_whose_files_are_missing_is_damaged_and_planned_again(tmp_path, monkeypatch, caplog):
+    """DESIGN, done means verified: with ids too, a done shard whose recorded files the listing lacks is damaged,
+    said in a warning, and generated again by the same command."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    nights.states[1]["files"] = {"data/shard-00001.parquet": [10, "0" * 64]}
+    plan, _ = nights.plan()
+    assert _shards(plan) == [(0, 4, "done"), (1, 4, "damaged"), (2, 2, "done")] and plan.selected == [1]
+    assert f"{nights.store}: shard 1 is damaged (data/shard-00001.parquet is missing)" in caplog.text

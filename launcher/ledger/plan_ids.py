@@ -15,9 +15,12 @@ from launcher.ledger.rowhash import shard_fingerprint
 from launcher.ledger.states import exhausted, select_shards, state_token
 
 logger = logging.getLogger(__name__)
+CUT = "-first"  # a shard cut by dataset.limit: "<its whole fingerprint>-first<rows planned>"
 
 
 def id_status(state: dict | None, fingerprint: str, legacy: str | None, cut: str | None = None) -> str:
+    """done | failed | pending | stale (a row of its ids changed) | grown (done with the first rows that a lower
+    `dataset.limit` let it have, and asked for more now); `cut`: the fingerprint it has under the limit now."""
     if state is None:
         return "pending"
     if state.get("status") != "done":
@@ -27,6 +30,10 @@ def id_status(state: dict | None, fingerprint: str, legacy: str | None, cut: str
         return "done"
     if stale_mod.is_kept(state, fingerprint):  # run.stale=keep kept it for exactly these rows
         return "done"
+    head, mark, done_rows = fp.partition(CUT) if isinstance(fp, str) else ("", "", "")
+    if mark and head == fingerprint and done_rows.isdigit():
+        if cut is None or int(done_rows) < int(cut.partition(CUT)[2]):
+            return "grown"
     return "stale"
 
 
@@ -72,7 +79,7 @@ def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool =
         fp, st, cut = shard_fingerprint(total), states.get(i), None
         if limit is not None and before + rows > limit:
             found.cut = {i: limit - before}
-            cut = f"{fp}-first{limit - before}"
+            cut = f"{fp}{CUT}{limit - before}"
         judged = "damaged" if i in damaged else id_status(st, fp, found.legacy[i], cut)
         shards.append(ShardPlan(i, min(rows, limit - before) if limit else rows, cut or fp, judged, state_token(st)))
         before += rows
