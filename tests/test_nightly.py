@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -702,3 +703,55 @@ def test_a_done_shard_whose_files_are_missing_is_damaged_and_planned_again(tmp_p
     plan, _ = nights.plan()
     assert _shards(plan) == [(0, 4, "done"), (1, 4, "damaged"), (2, 2, "done")] and plan.selected == [1]
     assert f"{nights.store}: shard 1 is damaged (data/shard-00001.parquet is missing)" in caplog.text
+
+
+def test_a_row_moved_to_another_file_keeps_its_shard_and_its_edit_is_caught_there(tmp_path, monkeypatch):
+    """DESIGN, `dataset.id_column`: a moved row changes no shard. An id that left one file for another keeps its
+    shard and place (a failed shard gathers it from its new file); edited on the way, its shard is stale, naming
+    it, and no other."""
+    from launcher.errors import ConfigError
+
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "a.jsonl", ROWS)  # p000-p009: shards 0, 1, 2
+    write(d / "b.jsonl", MORE)  # q0-q3: shards 2 (q0, q1) and 3
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    first, _ = nights.plan()
+    write(d / "a.jsonl", [r for r in ROWS if r["uid"] not in ("p001", "p005")])
+    write(d / "b.jsonl", [ROWS[5], *MORE, ROWS[1]])  # p005 first, p001 last
+    del nights.states[1]  # shard 1 failed: it is gathered again, p005 from b.jsonl
+    moved, _ = nights.plan()
+    assert [(s.index, s.rows, s.fingerprint) for s in moved.shards] == [
+        (s.index, s.rows, s.fingerprint) for s in first.shards
+    ]
+    assert [s.status for s in moved.shards] == ["done", "pending", "done", "done"] and moved.selected == [1]
+    assert nights.rows(moved, 1) == [(r["uid"], r["prompt"]) for r in ROWS[4:8]]
+    write(d / "b.jsonl", [{**ROWS[5], "prompt": "a moved and edited row"}, *MORE, ROWS[1]])
+    with pytest.raises(ConfigError, match=r"^shards \[1\] are done but their prompts changed since \(samples p005\)"):
+        nights.plan()
+
+
+def test_past_max_runs_the_hash_runs_are_merged_into_one_that_still_knows_every_id(tmp_path, monkeypatch):
+    """launcher/ledger/idruns.py: each plan that reads new rows adds a run of their hashes; past MAX_RUNS a plan
+    merges them into one, and an id seen in any earlier run is still a duplicate, not a new row."""
+    from launcher.errors import ConfigError
+    from launcher.ledger import idmap, idruns
+
+    monkeypatch.setattr(idruns, "MAX_RUNS", 2)
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS[:4])
+    nights = _Nights(tmp_path, monkeypatch, src)
+    counts = []
+    for night in range(1, 4):  # three more nights, four new ids each
+        nights.plan()
+        counts.append(len(idmap.load(nights.store, 4).data["runs"]))
+        append(src, [{"uid": f"n{night}-{i}", "prompt": f"night {night} prompt {i}"} for i in range(4)])
+    plan, _ = nights.plan()
+    index = idmap.load(nights.store, 4)
+    assert counts == [1, 2, 1] and len(index.data["runs"]) == 2  # the third run merged the first three
+    assert [(s.rows, s.status) for s in plan.shards] == [(4, "done")] * 3 + [(4, "pending")]
+    merged = np.fromfile(index.run_paths()[0], np.uint64)
+    assert len(merged) == 12 and (np.diff(merged.astype(np.float64)) >= 0).all()  # one sorted run, every hash once
+    append(src, [{"uid": "n1-2", "prompt": "an id of the second night again"}])
+    with pytest.raises(ConfigError, match="n1-2"):
+        nights.plan()

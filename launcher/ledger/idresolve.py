@@ -173,7 +173,8 @@ def _patch(staged, f: str, rows: pa.Table) -> None:
     pq.write_table(m, path, **idmap.MAP_WRITE)
     entry = staged.data["files"][f]
     placed = shard[shard >= 0]
-    entry["lo"], entry["hi"] = int(placed.min(initial=2**31)), int(placed.max(initial=-1))
+    entry["lo"] = int(placed.min()) if len(placed) else 2**31  # 2**31: no row placed (past any int32 shard)
+    entry["hi"] = int(placed.max()) if len(placed) else -1
 
 
 def _shards(out, staged, new, deltas, legacy_tables) -> None:
