@@ -57,3 +57,69 @@ def test_the_index_saves_a_read_per_unchanged_state(tmp_path):
     later = Ledger(store)
     later.refresh()
     assert later.reads == 1  # only the state that changed since the index was written
+
+
+def test_verify_reads_every_done_file_and_names_what_differs_from_its_state(tmp_path):
+    """DESIGN, done means verified (`tools/status.py --verify`): each done shard's recorded files are read whole
+    and compared with the size and sha256 its state recorded; a state from before files were recorded has its
+    Parquet footer compared with the rows and data bytes it recorded. A shard not done is not read, nor one whose
+    state says otherwise by now."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.verify import hash_damage
+
+    store = Store(str(tmp_path))
+    states = {}
+
+    def shard(i: int, state: dict, files: dict[str, bytes], old: bool = False) -> None:
+        for name, data in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(data)
+        recorded = {n: [len(d), hashlib.sha256(d).hexdigest()] for n, d in files.items()}
+        states[i] = {"status": "done", "rows": 3, **({} if old else {"files": recorded}), **state}
+        (tmp_path / "state").mkdir(exist_ok=True)
+        (tmp_path / state_rel(i)).write_text(json.dumps(states[i]))
+
+    def parquet(i: int, rows: int) -> bytes:
+        path = tmp_path / f"p{i}.parquet"
+        pq.write_table(pa.table({"id": [str(k) for k in range(rows)]}), path)
+        return path.read_bytes()
+
+    image = bytes(range(256)) * 40  # past one read chunk of 4 KiB: the whole file is hashed, not its start
+    names = {i: (f"data/shard-{i:05d}.parquet", f"images/shard-{i:05d}/a.png") for i in range(10)}
+    for i in range(4):
+        shard(i, {}, {names[i][0]: parquet(i, 3), names[i][1]: image})
+    flipped = bytearray(image)
+    flipped[-1] ^= 1  # the last byte: the same size
+    (tmp_path / names[1][1]).write_bytes(flipped)
+    (tmp_path / names[2][0]).write_bytes(parquet(2, 3)[:-10])
+    (tmp_path / names[3][1]).unlink()
+    good = parquet(4, 3)
+    footer = pq.ParquetFile(tmp_path / "p4.parquet").metadata
+    data_bytes = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
+    shard(4, {"data_bytes": data_bytes}, {names[4][0]: good}, old=True)  # an old state: no "files"
+    shard(5, {"data_bytes": data_bytes + 1}, {names[5][0]: good}, old=True)
+    shard(6, {"data_bytes": data_bytes, "rows": 2}, {names[6][0]: good}, old=True)
+    shard(7, {"data_bytes": data_bytes}, {names[7][0]: good[:-12]}, old=True)  # cut short: no footer
+    shard(8, {}, {}, old=True)  # an old state with neither: taken as done
+    shard(9, {"status": "failed"}, {})  # not done: its files are not read
+    (tmp_path / names[9][0]).parent.mkdir(exist_ok=True)
+    states[9]["files"] = {names[9][0]: [1, "0" * 64]}  # (it has none)
+    listed = dict(states)
+    now = {"status": "failed", "files": states[0]["files"]}  # changed since it was listed: a failed attempt
+    (tmp_path / state_rel(0)).write_text(json.dumps(now))
+    (tmp_path / names[0][1]).unlink()
+    got = hash_damage(store, listed)
+    assert set(got) == {1, 2, 3, 5, 6, 7}, got
+    assert (
+        got[1]
+        == f"{names[1][1]} has another sha256 than its state recorded ({hashlib.sha256(image).hexdigest()[:12]}...)"
+    )
+    assert got[2] == f"{names[2][0]} has {len(good) - 10} bytes, its state recorded {len(good)}"
+    assert got[3] == f"{names[3][1]} is missing"
+    assert got[5] == f"{names[5][0]} holds 3 rows in {data_bytes} bytes, its state recorded 3 rows"
+    assert got[6] == f"{names[6][0]} holds 3 rows in {data_bytes} bytes, its state recorded 2 rows"
+    assert got[7].startswith(f"{names[7][0]} cannot be read (Parquet magic bytes not found")
+    assert len(got[7]) == len(f"{names[7][0]} cannot be read ()") + 80, got[7]  # the first 80 characters of why
