@@ -123,3 +123,38 @@ def test_verify_reads_every_done_file_and_names_what_differs_from_its_state(tmp_
     assert got[6] == f"{names[6][0]} holds 3 rows in {data_bytes} bytes, its state recorded 2 rows"
     assert got[7].startswith(f"{names[7][0]} cannot be read (Parquet magic bytes not found")
     assert len(got[7]) == len(f"{names[7][0]} cannot be read ()") + 80, got[7]  # the first 80 characters of why
+
+
+def test_run_records_are_read_oldest_first_the_newest_readable_one_is_the_latest_and_overwrite_keeps_live_files(
+    tmp_path,
+):
+    """The output folder's run records (runs/<run id>.json, read by tools/report.py and tools/status.py): a record
+    that is damaged, empty or not an object is passed over, never a traceback; `run.overwrite` discards earlier
+    results (DESIGN) and keeps what belongs to live runs: locks, claims and plans, and what is not ours."""
+    from launcher.ledger.runs import discard_outputs, latest_record, read_records, write_record
+
+    store = Store(str(tmp_path))
+    assert read_records(store) == [] and latest_record(store) is None
+    first = {"run_id": "20261201T010000-a-1", "start": "2026-12-01T01:00:00", "shards": 3}
+    second = {"run_id": "20261202T010000-b-2", "start": "2026-12-02T01:00:00", "shards": 4}
+    third = {"run_id": "20261202T010000-a-3", "start": "2026-12-02T01:00:00", "shards": 5}  # same start: by run id
+    for rec in (second, third, first):
+        write_record(store, rec)
+    assert json.loads((tmp_path / "runs" / f"{first['run_id']}.json").read_text()) == first
+    assert read_records(store) == [first, third, second]
+    assert latest_record(store) == second
+    for name, data in (("20261203T0-x.json", b'{"run_id": "cut'), ("20261204T0-y.json", b"[1, 2]"),
+                       ("20261205T0-z.json", b"{}"), ("20261206T0-w.json", b"\xff\xfe")):  # fmt: skip
+        (tmp_path / "runs" / name).write_bytes(data)
+    assert read_records(store) == [first, third, second]
+    assert latest_record(store) == second  # the newest four are damaged: the newest readable one
+    ours = ["state/shard-00000.json", "data/shard-00000.parquet", "images/shard-00000/a.png", "webdataset/0.tar",
+            "runs/x.json", "rejected/r.parquet", "sources/m.parquet", "run.json", "README.md", "report.html",
+            "contact_sheet.png", "state/index.json.gz", "runs.jsonl"]  # fmt: skip
+    live = ["locks/worker-00000.lock", "claims/shard-00001.json", "plans/20261207T0-q.arrow", "notes.txt"]
+    for name in ours + live:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    discard_outputs(store)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted(live)

@@ -176,22 +176,25 @@ def write_record(store: Store, record: dict) -> None:
 
 
 def read_records(store: Store) -> list[dict]:
-    """Every run's record, oldest first (run ids start with their start time)."""
-    out = []
-    for info in store.files(RUNS_DIR, ".json"):
-        try:
-            rec = store.read_json(f"{RUNS_DIR}/{info.base_name}")
-        except ValueError:  # its run died while the object store wrote it: nothing to say
-            continue
-        if rec:
-            out.append(rec)
-    return sorted(out, key=lambda r: (r.get("start", ""), r.get("run_id", "")))
+    """Every run's readable record, oldest first (run ids start with their start time)."""
+    out = [rec for info in store.files(RUNS_DIR, ".json") if (rec := _record(store, info.base_name))]
+    return sorted(out, key=lambda r: (str(r.get("start", "")), str(r.get("run_id", ""))))
 
 
 def latest_record(store: Store) -> dict | None:
-    """The newest run's record: one listing, one read."""
-    names = [i.base_name for i in store.files(RUNS_DIR, ".json")]
-    return store.read_json(f"{RUNS_DIR}/{max(names)}") if names else None
+    """The newest run's readable record: one listing, one read (one more for each newer record that is damaged)."""
+    for name in sorted((i.base_name for i in store.files(RUNS_DIR, ".json")), reverse=True):
+        if rec := _record(store, name):
+            return rec
+    return None
+
+
+def _record(store: Store, name: str) -> dict | None:
+    try:
+        rec = store.read_json(f"{RUNS_DIR}/{name}")
+    except ValueError:  # its run died while the object store wrote it, or it is no record: nothing to say
+        return None
+    return rec if isinstance(rec, dict) and rec else None
 
 
 def discard_outputs(store: Store) -> None:
