@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from launcher.ledger.prompts import SizeRule, Source, read_batches
-from launcher.ledger.reference_reads import load_references
+from launcher.ledger.reference_reads import load_references, read_lineage
 from launcher.ledger.shards import prompts_fingerprint
 
 RULE = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)
@@ -66,6 +66,13 @@ def test_parquet_image_structs_and_lists_are_read_back_by_row(tmp_path):
     got = [[data for _, data in load_references(r)] for r in rows]
     assert got == [[refs[0]], [refs[1]], [refs[2]], [refs[3], refs[4]]]
     assert json.loads(rows[3]["ref_loc"])[1]["path"] == f"{tmp_path / 's.parquet'}#row=3&ref=1"
+    # tools read a reference back by its lineage path (tools/contact_sheet.py), past the first row group
+    paths = [loc["path"] for r in rows for loc in json.loads(r["ref_loc"])]
+    assert [read_lineage(p) for p in paths] == refs
+    pq.write_table(table.rename_columns(["prompt", "picture"]), tmp_path / "p.parquet", row_group_size=2)
+    assert read_lineage(f"{tmp_path / 'p.parquet'}#row=3&ref=1", "picture") == refs[4]
+    (tmp_path / "a.png").write_bytes(refs[2])
+    assert read_lineage(str(tmp_path / "a.png")) == refs[2]
 
 
 def test_references_past_the_read_batches_of_parquet_and_saved_datasets_keep_their_rows(tmp_path):
@@ -85,6 +92,7 @@ def test_references_past_the_read_batches_of_parquet_and_saved_datasets_keep_the
         planned = plan_table(source).to_pylist()
         assert [[data for _, data in load_references(r)] for r in planned] == [[r] for r in refs], source
         assert [json.loads(r["ref_loc"])[0]["path"] for r in planned] == [f"{source}#row={i}" for i in range(19)]
+        assert [read_lineage(f"{source}#row={i}") for i in (0, 9, 10, 18)] == [refs[i] for i in (0, 9, 10, 18)]
 
     pq.write_table(pa.table({"prompt": ["a"], "picture": [refs[0]]}), tmp_path / "other.parquet")
     datasets.Dataset.from_list([{"prompt": "a", "picture": "x.png"}]).save_to_disk(str(tmp_path / "other"))
