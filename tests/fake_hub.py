@@ -308,7 +308,8 @@ def serve(hub: FakeHub):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # polled every 20 ms for shutdown (0.5 s by default: half a second of every test's teardown)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return server
 
 
