@@ -2726,3 +2726,38 @@ def test_an_object_store_lock_of_a_dead_run_is_taken_over_and_a_takeover_lost_me
         "stop it"
     )
     assert lock_mod.read_lock(store, 0) == rival  # the loser writes nothing more
+
+
+def test_the_gcs_probe_lists_one_object_and_a_silent_server_is_an_error_within_its_bound(gcs, silent_hub, monkeypatch):
+    """launcher/ledger/gcs.py: the preflight's look at a gs:// output folder lists at most one object; an unknown
+    bucket is the store's error; a server that never answers is an error within GCS_PROBE_S, with no retry
+    (google's client retries for 2 minutes by default)."""
+    import time
+
+    from google.api_core.exceptions import NotFound
+
+    from launcher.ledger import gcs as gcs_mod
+
+    asked = []
+    real = gcs_mod.gcs_client
+
+    def client():
+        c = real()
+        list_blobs = c.list_blobs
+        c.list_blobs = lambda *a, **kw: asked.append((a, kw)) or list_blobs(*a, **kw)
+        return c
+
+    monkeypatch.setattr(gcs_mod, "gcs_client", client)
+    gcs_mod.probe_gcs("gs://meshgen-test/some/folder")
+    assert asked == [(("meshgen-test",), {"prefix": "some/folder", "max_results": 1, "timeout": 10, "retry": None})]
+    with pytest.raises(NotFound):
+        gcs_mod.probe_gcs("gs://no-such-bucket-here/x")
+    url, paths = silent_hub
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+    monkeypatch.setattr(gcs_mod, "GCS_PROBE_S", 0.5)
+    began = time.monotonic()
+    with pytest.raises(Exception) as e:
+        gcs_mod.probe_gcs("gs://meshgen-test/away")
+    assert "timed out" in str(e.value).lower() or "timeout" in type(e.value).__name__.lower(), repr(e.value)
+    assert time.monotonic() - began < 30  # not retried for minutes
+    assert "/storage/v1/b/meshgen-test/o?maxResults=1&projection=noAcl&prefix=away&prettyPrint=false" in paths
