@@ -158,3 +158,23 @@ def test_run_records_are_read_oldest_first_the_newest_readable_one_is_the_latest
     discard_outputs(store)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == sorted(live)
+
+
+def test_a_source_that_cannot_be_read_is_one_line_naming_it_and_what_to_check(monkeypatch):
+    """A prompt source the store will not give: one line with the address, the store's first line of why (at most
+    300 characters; its kind where it says nothing), and what to check for that kind of address."""
+    from launcher.ledger.prompts import unreadable
+
+    long = OSError("x" * 400 + "\nsecond line")
+    assert unreadable("/data/a.jsonl", long) == (
+        f"dataset.path /data/a.jsonl cannot be read ({'x' * 300}); check that it exists and that you may read it"
+    )
+    assert unreadable("gs://b/a.jsonl", TimeoutError()) == (
+        "dataset.path gs://b/a.jsonl cannot be read (TimeoutError); check the address, the network and the "
+        "credentials (the AWS_* variables for s3://, gcloud application default credentials for gs://)"
+    )
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
+    assert unreadable("hf://datasets/o/n/p.txt", OSError("  refused  \n")) == (
+        "dataset.path hf://datasets/o/n/p.txt cannot be read from the Hub at http://127.0.0.1:9 (refused); check the "
+        "network, HF_ENDPOINT, the repo name and revision, and HF_TOKEN (a private or gated repo)"
+    )
