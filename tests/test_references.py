@@ -145,3 +145,38 @@ def test_relative_reference_paths_are_relative_to_the_source_file_or_the_saved_d
         [(lineage, data)] = load_references(row)
         assert data == ref.read_bytes(), source
         assert lineage["path"] == str(ref), (source, lineage)
+
+
+def test_references_of_a_source_on_an_object_store_are_relative_to_its_folder_there_and_a_txt_source_has_none(
+    s3, tmp_path
+):
+    """A reference path in a source on S3 is relative to that source file's folder there (a URL in the source is
+    read as it is); a .txt source has no column at all, so an edit job over one is refused naming it."""
+    import pytest
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.store import Store
+
+    refs = [png(64, 64, (i * 90, 10, 10)) for i in range(3)]
+    store = Store("s3://meshgen-test/refs-job")
+    store.write_bytes("in/pics/a.png", refs[0])
+    store.write_bytes("in/b.png", refs[1])
+    store.write_bytes("elsewhere/c.png", refs[2])
+    rows = [{"prompt": "one", "image": "pics/a.png"}, {"prompt": "two", "image": "b.png"}]
+    rows.append({"prompt": "three", "image": "s3://meshgen-test/refs-job/elsewhere/c.png"})
+    store.write_bytes("in/p.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    planned = plan_table("s3://meshgen-test/refs-job/in/p.jsonl").to_pylist()
+    got = [load_references(r)[0] for r in planned]
+    assert [data for _, data in got] == refs
+    assert [lineage["path"] for lineage, _ in got] == [
+        "s3://meshgen-test/refs-job/in/pics/a.png",
+        "s3://meshgen-test/refs-job/in/b.png",
+        "s3://meshgen-test/refs-job/elsewhere/c.png",
+    ]
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    with pytest.raises(ConfigError) as e:
+        plan_table(tmp_path / "p.txt")
+    assert (
+        str(e.value)
+        == f"dataset {tmp_path / 'p.txt'}: job=edit needs an image column ('image'); a .txt source has none"
+    )
