@@ -755,3 +755,26 @@ def test_past_max_runs_the_hash_runs_are_merged_into_one_that_still_knows_every_
     append(src, [{"uid": "n1-2", "prompt": "an id of the second night again"}])
     with pytest.raises(ConfigError, match="n1-2"):
         nights.plan()
+
+
+@pytest.mark.parametrize("cr", [None, 2, 144], ids=["lf", "a lone cr in the first block", "one in the second"])
+def test_a_bad_row_appended_to_a_file_past_one_counting_block_is_named_by_its_line(tmp_path, monkeypatch, cr):
+    """The lines before the old end are counted in blocks of 4 MiB: a file past one block still names the bad row
+    of its appended part by its line in the whole file (a lone CR in either block makes each line count, from the
+    file's first byte: a blank first line)."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    rows = [{"uid": f"r{i:03d}", "prompt": f"{i} " + "x" * 30_000} for i in range(145)]  # 4.35 MB: two blocks
+    lines = [json.dumps(r).encode() + b"\n" for r in rows]
+    if cr is not None:
+        lines.insert(cr, b"\r")  # a blank line ended by a lone CR
+        lines.insert(0, b"\n")
+    src.write_bytes(b"".join(lines))
+    assert src.stat().st_size > 1 << 22
+    nights = _Nights(tmp_path, monkeypatch, src, "run.shard_size=50")
+    nights.plan()
+    append(src, [*MORE[:2], {"uid": "q2", "prompt": 5}])
+    line = len(lines) + 3
+    with pytest.raises(ConfigError, match=rf"^dataset {src}, line {line}: the prompt \('prompt'\) is of type int"):
+        nights.plan()
