@@ -1011,6 +1011,14 @@ def test_a_run_lock_on_disk_names_its_holder_beats_and_is_free_again_once_releas
     with lock_mod.RunLock(store, 4, "run-c"):  # another worker index: its own lock
         assert lock_mod.live_run_ids(store) == {"run-a", "run-c"}
     assert lock_mod.live_run_ids(store) == {"run-a"}
+    # Only the locks lock_rel names count, a worker index past five digits too; a dead run's record does not.
+    (tmp_path / "locks" / "worker-00005.lock").write_text(json.dumps({"run_id": "run-dead", "pid": 1}))
+    for stranger in ("worker-abc.lock", "worker-7.lock", "worker-000006.lock", "worker-00008.json", "notes.txt"):
+        (tmp_path / "locks" / stranger).write_text(json.dumps({"run_id": "run-x"}))
+    with lock_mod.RunLock(store, 123456, "run-d"):
+        assert lock_mod.live_run_ids(store) == {"run-a", "run-d"}
+        assert sorted(r["worker"] for r in lock_mod.other_live_runs(store, 3)) == [123456]
+    assert (tmp_path / "locks" / "worker-123456.lock").exists()
     first.release()
     assert path.read_bytes() == b"" and lock_mod.look(store, 3) == (None, False)
     beats = path.stat().st_mtime_ns
@@ -2562,6 +2570,7 @@ def test_an_object_store_lock_beats_survives_an_error_and_stops_its_run_once_tak
     held = lock_mod.RunLock(store, 2, "run-a")
     held.acquire()
     try:
+        assert json.loads(store.read_bytes("locks/worker-00002.json"))["run_id"] == "run-a"  # a JSON object
         _beats_then_stops(held, store, kills, stopped, monkeypatch, caplog)
     finally:  # a failed check leaves no heartbeat running behind the test
         held.release()

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -37,6 +38,9 @@ STALE_S = 60
 
 def lock_rel(worker_index: int, store: Store) -> str:
     return f"locks/worker-{worker_index:05d}.{'lock' if store.is_local else 'json'}"
+
+
+LOCK_NAME = re.compile(r"worker-(\d{5,})\.(?:lock|json)")  # what lock_rel names
 
 
 def read_lock(store: Store, worker_index: int) -> dict | None:
@@ -80,11 +84,13 @@ def _live_locks(store: Store, but: int | None = None) -> list[dict]:
     """The lock records of the live runs on this output folder (but worker index `but`), with their worker index."""
     live = []
     for info in store.files("locks"):
-        if info.base_name.startswith("worker-") and int(info.base_name[7:12]) != but:
-            index = int(info.base_name[7:12])
-            record, alive = look(store, index)
-            if record and alive:
-                live.append({**record, "worker": index})
+        m = LOCK_NAME.fullmatch(info.base_name)
+        index = int(m[1]) if m else None
+        if index is None or f"locks/{info.base_name}" != lock_rel(index, store) or index == but:
+            continue  # a file lock_rel did not name is not ours
+        record, alive = look(store, index)
+        if record and alive:
+            live.append({**record, "worker": index})
     return live
 
 
