@@ -2770,3 +2770,23 @@ def test_the_gcs_probe_lists_one_object_and_a_silent_server_is_an_error_within_i
     assert "timed out" in str(e.value).lower() or "timeout" in type(e.value).__name__.lower(), repr(e.value)
     assert time.monotonic() - began < 30  # not retried for minutes
     assert "/storage/v1/b/meshgen-test/o?maxResults=1&projection=noAcl&prefix=away&prettyPrint=false" in paths
+
+
+@pytest.mark.parametrize(
+    ("env", "url"),
+    [(None, None), ("", None), (" ", None), ("127.0.0.1:4443", "http://127.0.0.1:4443"),
+     ("http://h:1/", "http://h:1"), (" https://h:2// ", "https://h:2")],
+)  # fmt: skip
+def test_storage_emulator_host_is_read_as_googles_clients_read_it(env, url, monkeypatch):
+    """launcher/ledger/gcs.py: STORAGE_EMULATOR_HOST names a local GCS server with or without its scheme (http://
+    where it has none), with or without a trailing slash; unset or blank, the real GCS. A gs:// address is the
+    bucket and path without the scheme or a trailing slash."""
+    from launcher.ledger import gcs as gcs_mod
+
+    if env is None:
+        monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    else:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", env)
+    assert gcs_mod.gcs_emulator() == url
+    if url is not None:
+        assert gcs_mod.open_gcs("gs://bucket/some/folder/")[1] == "bucket/some/folder"
