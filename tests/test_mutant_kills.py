@@ -551,7 +551,7 @@ def test_run_json_holds_the_first_config_its_fingerprint_the_shard_count_and_ver
     assert first["config"] == OmegaConf.to_container(cfg()) and first["config"]["generate"]["batch_size"] == 2
     assert len(first["fingerprint"]) >= 16 and int(first["fingerprint"], 16) >= 0  # hex
     assert sorted(first["settings"]["model"]["weights"]) == ["transformer", "vae"]
-    for pkg in ("torch", "diffusers", "transformers"):
+    for pkg in ("meshgen", "torch", "diffusers", "transformers"):  # and torch_tpu, where it is installed
         assert first["versions"][pkg] == importlib.metadata.version(pkg)
     created = time_.mktime(time_.strptime(first["created"], "%Y-%m-%dT%H:%M:%S%z"))
     assert before - 2 <= created <= time_.time() + 1
@@ -1321,6 +1321,17 @@ def test_kept_columns_that_do_not_fit_the_first_files_types_or_are_missing_are_n
         keep.kept_names(Source(str(a), keep_columns="n"), [str(a)])
     assert str(e.value) == "dataset.keep_columns='n': give a list of column names, or all"
     assert keep.kept_names(Source(str(a), keep_columns="all"), [str(a)]) == ("n",)
+    t = tmp_path / "t.txt"  # a .txt source has no columns: `all` keeps none, a named one is not there
+    t.write_text('{"n": 1}\n')
+    assert keep.kept_names(Source(str(t), keep_columns="all"), [str(t)]) == ()
+    with pytest.raises(ConfigError) as e:
+        keep.kept_fields(Source(str(t), keep_columns=("n",)), (str(t),))
+    assert str(e.value) == f"dataset.keep_columns: {t} has no column 'n'; columns found: none"
+    mixed = keep.Kept(Source(f"{tmp_path}/*", keep_columns=("n",)), [str(a), str(t)])  # a glob over both kinds
+    mixed.attach(pa.RecordBatch.from_pydict({"id": ["0"]}))
+    with pytest.raises(ConfigError) as e:
+        mixed.attach(pa.RecordBatch.from_pydict({"id": ["1"]}))
+    assert str(e.value) == f"dataset.keep_columns: {t} is a .txt file: it has no columns to keep"
 
 
 def _png(path, w: int, h: int) -> bytes:
