@@ -87,7 +87,7 @@ def test_verify_reads_every_done_file_and_names_what_differs_from_its_state(tmp_
         pq.write_table(pa.table({"id": [str(k) for k in range(rows)]}), path)
         return path.read_bytes()
 
-    image = bytes(range(256)) * 40  # past one read chunk of 4 KiB: the whole file is hashed, not its start
+    image = bytes(range(256)) * 40  # 10 KiB, its last byte flipped below: the whole file is hashed, not its start
     names = {i: (f"data/shard-{i:05d}.parquet", f"images/shard-{i:05d}/a.png") for i in range(10)}
     for i in range(4):
         shard(i, {}, {names[i][0]: parquet(i, 3), names[i][1]: image})
