@@ -178,3 +178,28 @@ def test_a_source_that_cannot_be_read_is_one_line_naming_it_and_what_to_check(mo
         "dataset.path hf://datasets/o/n/p.txt cannot be read from the Hub at http://127.0.0.1:9 (refused); check the "
         "network, HF_ENDPOINT, the repo name and revision, and HF_TOKEN (a private or gated repo)"
     )
+
+
+def test_a_done_state_damaged_since_the_last_look_is_not_done_and_said_once(tmp_path, caplog):
+    """DESIGN, done means verified: a state file damaged after it was read done makes its shard not done at the
+    next look, said in one warning naming the file and why (not one per look), and a state written again is done."""
+    import logging
+    import os
+
+    store = Store(str(tmp_path))
+    (tmp_path / "state").mkdir()
+    path = tmp_path / state_rel(4)
+    path.write_text(json.dumps({"status": "done", "rows": 2}))
+    ledger = Ledger(store)
+    assert ledger.refresh()[4]["status"] == "done"
+    path.write_text('{"status": "done", "rows": ')  # cut short
+    os.utime(path, ns=(1, 1))  # another size and time: a look reads it again
+    with caplog.at_level(logging.WARNING):
+        assert 4 not in ledger.refresh()
+        os.utime(path, ns=(2, 2))  # touched, as damaged as it was: read again, not said again
+        assert 4 not in ledger.refresh() and ledger.reads == 3
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{store.url(state_rel(4))} is damaged (not JSON (")
+    assert said[0].endswith("); shard 4 counts as not done: a run generates it again") and 4 in ledger.damaged
+    path.write_text(json.dumps({"status": "done", "rows": 3}))
+    assert ledger.refresh()[4]["rows"] == 3 and 4 not in ledger.damaged
