@@ -2430,9 +2430,10 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
     assert source_files(f"{g}/a/up/a/*.txt") == [f"{g}/a/up/a/hard.txt", f"{g}/a/up/a/link.txt", f"{g}/a/up/a/one.txt"]
 
 
-def test_objects_of_one_size_time_and_etag_are_listed_once(s3, caplog):
-    """globs.py: on an object store, two objects with one size, time and ETag are one file, listed under the first
-    path; an object of the same size and time but other bytes is another file (its ETag, a HEAD request, differs)."""
+def test_objects_of_one_size_time_and_etag_are_listed_once(store_env, caplog):
+    """globs.py: on an object store (S3, GCS), two objects with one size, time and ETag are one file, listed under
+    the first path; an object of the same size and time but other bytes is another file (its ETag, a HEAD request,
+    differs)."""
     import logging
 
     import pyarrow.fs as pafs
@@ -2440,7 +2441,8 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(s3, caplog):
     from launcher.ledger.globs import once_each
     from launcher.ledger.store import Store
 
-    store = Store("s3://meshgen-test/once")
+    scheme = f"{store_env[0]}://"
+    store = Store(f"{scheme}meshgen-test/once")
     for name, data in (("a.txt", b"same"), ("b.txt", b"same"), ("c.txt", b"diff"), ("d.txt", b"other size")):
         store.write_bytes(name, data)
     found = [f"meshgen-test/once/{n}" for n in ("a.txt", "b.txt", "c.txt", "d.txt")]
@@ -2448,15 +2450,15 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(s3, caplog):
     infos = {f: pafs.FileInfo(f, pafs.FileType.File, mtime_ns=at, size=4) for f in found[:3]}
     infos[found[3]] = pafs.FileInfo(found[3], pafs.FileType.File, mtime_ns=at, size=10)
     with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
-        assert once_each(found, infos, store.fs, "s3://") == [found[0], found[2], found[3]]
-    assert f"dataset.path: s3://{found[1]} has the content of s3://{found[0]}: read once" in caplog.text
-    assert once_each(found[:2], infos, store.fs, "s3://") == found[:1]  # a pair alike
+        assert once_each(found, infos, store.fs, scheme) == [found[0], found[2], found[3]]
+    assert f"dataset.path: {scheme}{found[1]} has the content of {scheme}{found[0]}: read once" in caplog.text
+    assert once_each(found[:2], infos, store.fs, scheme) == found[:1]  # a pair alike
     # No listing's info: each object's is asked for. a and b were written within the same second or not (the
     # store's times have whole seconds): b is dropped exactly when they were.
-    got, times = once_each(found, {}, store.fs, "s3://"), [store.fs.get_file_info(f).mtime for f in found[:2]]
+    got, times = once_each(found, {}, store.fs, scheme), [store.fs.get_file_info(f).mtime for f in found[:2]]
     assert got == ([found[0], found[2], found[3]] if times[0] == times[1] else found)
     assert once_each(found, {**infos, found[1]: pafs.FileInfo(found[1], pafs.FileType.File, mtime_ns=at + 1, size=4)},
-                     store.fs, "s3://") == found  # fmt: skip
+                     store.fs, scheme) == found  # fmt: skip
 
 
 def test_bounds_at_their_edges_and_each_refusal_line_whole():
