@@ -203,3 +203,20 @@ def test_a_done_state_damaged_since_the_last_look_is_not_done_and_said_once(tmp_
     assert said[0].endswith("); shard 4 counts as not done: a run generates it again") and 4 in ledger.damaged
     path.write_text(json.dumps({"status": "done", "rows": 3}))
     assert ledger.refresh()[4]["rows"] == 3 and 4 not in ledger.damaged
+
+
+def test_the_store_clock_is_the_time_a_probe_file_gets_there_not_this_hosts(tmp_path, monkeypatch):
+    """DESIGN, liveness by the store's clock: `Store.now` is the modification time that a file written now gets
+    in the output folder (this host's clock may be off: here by an hour), and leaves no probe file behind; only
+    where the probe vanished at once is this host's clock all it has."""
+    import time
+
+    store = Store(str(tmp_path))
+    (tmp_path / "locks").mkdir()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    before = real()
+    got = store.now()
+    assert before - 1 <= got <= real() + 1 and list((tmp_path / "locks").iterdir()) == []
+    monkeypatch.setattr(Store, "mtime", lambda self, rel: None)  # removed under us
+    assert store.now() >= before + 3600
