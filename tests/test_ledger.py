@@ -220,3 +220,48 @@ def test_the_store_clock_is_the_time_a_probe_file_gets_there_not_this_hosts(tmp_
     assert before - 1 <= got <= real() + 1 and list((tmp_path / "locks").iterdir()) == []
     monkeypatch.setattr(Store, "mtime", lambda self, rel: None)  # removed under us
     assert store.now() >= before + 3600
+
+
+def test_the_exact_reader_names_a_missing_column_a_damaged_file_and_each_malformed_csv_line(tmp_path):
+    """launcher/ledger/prompts_raw.py, the reader that names each row's place: a Parquet file or saved dataset
+    without the column it was asked for names the column and its role; a file pyarrow cannot read is named as
+    such; a CSV's malformed header, a file with no header and a malformed record are each one line."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.prompts_raw import csv_header, raw_rows
+
+    def refusal(f, col="prompt", role="prompt") -> str:
+        with pytest.raises(ConfigError) as e:
+            list(raw_rows(str(f), col, None, role=role))
+        return str(e.value)
+
+    pq.write_table(pa.table({"text": ["a"], "n": [1]}), tmp_path / "p.parquet")
+    datasets.Dataset.from_list([{"text": "a"}]).save_to_disk(str(tmp_path / "saved"))
+    for f, names in ((tmp_path / "p.parquet", "text, n"), (tmp_path / "saved", "text")):
+        assert (
+            refusal(f) == f"dataset {f} has no prompt column 'prompt' (dataset.prompt_column); columns found: {names}"
+        )
+        assert refusal(f, "picture", "image") == (
+            f"dataset {f} has no image column 'picture' (dataset.image_column); columns found: {names}"
+        )
+    (tmp_path / "cut.parquet").write_bytes((tmp_path / "p.parquet").read_bytes()[:-9])
+    assert refusal(tmp_path / "cut.parquet").startswith(
+        f"dataset {tmp_path / 'cut.parquet'}: not a readable Parquet file ("
+    )
+    (tmp_path / "saved" / "state.json").write_text("{")
+    assert refusal(tmp_path / "saved").startswith(f"dataset {tmp_path / 'saved'}: not a readable save_to_disk folder (")
+    huge = "x" * 140_000  # past the csv module's field limit (131,072 characters), within a line's bound
+    (tmp_path / "h.csv").write_text(f"prompt,{huge}\nx,1\n")
+    assert refusal(tmp_path / "h.csv").startswith(f"dataset {tmp_path / 'h.csv'}, line 1: malformed CSV header (")
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(ValueError, match="^no CSV header$"):
+        csv_header(str(tmp_path / "e.csv"))
+    (tmp_path / "rows.csv").write_text("prompt,id\na,1\n")
+    assert csv_header(str(tmp_path / "rows.csv")) == ["prompt", "id"]
+    (tmp_path / "r.csv").write_text(f"prompt,id\na,1\nb{huge},2\nc,3\n")
+    rows = list(raw_rows(str(tmp_path / "r.csv"), "prompt", "id"))
+    assert [w for w, _ in rows] == [f"dataset {tmp_path / 'r.csv'}, line {n}" for n in (2, 3, 4)]
+    assert rows[0][1] == {"prompt": "a", "id": "1"} and rows[2][1] == {"prompt": "c", "id": "3"}
+    assert rows[1][1].reason == "malformed CSV (field larger than field limit (131072)); fix that line"
