@@ -2803,3 +2803,26 @@ def test_storage_emulator_host_is_read_as_googles_clients_read_it(env, url, monk
     assert gcs_mod.gcs_emulator() == url
     if url is not None:
         assert gcs_mod.open_gcs("gs://bucket/some/folder/")[1] == "bucket/some/folder"
+
+
+def test_a_prompt_id_that_is_another_prompts_sample_id_is_refused_in_either_order_and_both_forms():
+    """DESIGN, sample ids: `<prompt id>-<k>` with images per prompt, `<base id>@<v>` with a sweep (so `a-1@0` with
+    both, and `b@0` with a sweep of one value); a prompt id that another prompt's sample id repeats is refused,
+    whichever comes first, naming what makes the sample ids."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.shards import check_sample_ids, settings_diff
+
+    both, sweep = "generate.images_per_prompt=2 and generate.sweep", "generate.sweep"
+    cases = [(["a", "a-1@0"], 2, 2, "a", "a-1@0", both), (["a-1@0", "a"], 2, 2, "a", "a-1@0", both),
+             (["b", "b@0"], 1, 1, "b", "b@0", sweep), (["b@0", "b"], 1, 1, "b", "b@0", sweep)]  # fmt: skip
+    for ids, n, variants, prompt, sample, what in cases:
+        with pytest.raises(ConfigError) as e:
+            check_sample_ids(ids, n, "dataset d", variants)
+        assert str(e.value) == (
+            f"dataset d: with {what}, prompt {prompt!r} has a sample id {sample!r}, which is also the id of another "
+            "prompt; rename one of them (or use dataset.id_column)"
+        ), (ids, str(e.value))
+    check_sample_ids(["a", "a-2@0", "a-1@2"], 2, "dataset d", 2)  # k past N, v past the variants: no clash
+    # a resume across jobs names them (a settings file from before `job` was recorded is text_to_image)
+    assert settings_diff({}, {"job": {"name": "edit"}}) == ["job: 'text_to_image' -> 'edit'"]
+    assert settings_diff({"job": {"name": "edit"}}, {}) == ["job: 'edit' -> 'text_to_image'"]
