@@ -778,3 +778,21 @@ def test_a_bad_row_appended_to_a_file_past_one_counting_block_is_named_by_its_li
     line = len(lines) + 3
     with pytest.raises(ConfigError, match=rf"^dataset {src}, line {line}: the prompt \('prompt'\) is of type int"):
         nights.plan()
+
+
+def test_a_file_edited_in_its_middle_at_the_same_size_is_read_whole(tmp_path, monkeypatch):
+    """A file whose size is what it was is no grown file, whatever its head and tail say: an edit in its middle
+    (same length, so every line end stays where it was) is read, and caught."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    rows = [{"uid": f"p{i:03d}", "prompt": f"a photo of city number {i}"} for i in range(200)]  # head, tail apart
+    write(src, rows)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    size = src.stat().st_size
+    write(src, [*rows[:100], {**rows[100], "prompt": rows[100]["prompt"].replace("city", "town")}, *rows[101:]])
+    assert src.stat().st_size == size
+    with pytest.raises(ConfigError, match=r"shards \[25\] are done but their prompts changed since \(samples p100\)"):
+        nights.plan()
+    assert nights.reads == [[0, 200]]
