@@ -44,10 +44,12 @@ test: venv
 # surviving mutant is a change of the product that the fast tests do not notice. Each mutant runs only the fast
 # tests that call its function (mutmut's stats run), two at a time. Not part of `make test`.
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
-# room's killed / survived / no-test / timeout counts.
+# room's killed / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs only the room's
+# mutants that the last run did not kill (after new tests).
 ROOM ?= all
+ARGS ?=
 mutants: venv
-	$(BIN)/python tools/mutants.py $(ROOM) --max-children 2
+	$(BIN)/python tools/mutants.py $(ROOM) --max-children 2 $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check --fix .

@@ -3,12 +3,16 @@
     python tools/mutants.py [ROOM|all] [--max-children N]   run the room's mutants, then print every room's counts
     python tools/mutants.py --counts                         print the counts of the last runs only
     python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
+    python tools/mutants.py ROOM --again                     run only what the last run did not kill
 
 A room is a folder (ledger, host, worker, jobs); pyproject's [tool.mutmut] mutates all four and names one list of
 fast tests for them all. mutmut's stats run (once, kept in mutants/mutmut-stats.json until that list changes)
 records which of those tests call each function, and each mutant runs only those, so each room gets the tests
 that cover it without a list per room. A room is chosen by a mutant-name glob (`launcher.worker.*`), which also
-makes mutmut run that room's mutants again even where an earlier run left a result.
+makes mutmut run that room's mutants again even where an earlier run left a result. `--again` names instead the
+room's mutants that the last run left alive, without a test, suspicious or not checked (after new tests, minutes
+instead of the room's hour); a function changed since then gets new mutants at that run, which the next `--again`
+runs. A change of pyproject's test list makes mutmut forget every result: then run the room whole.
 """
 
 from __future__ import annotations
@@ -95,16 +99,21 @@ def server_pool(n: int) -> Iterator[dict]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run(room: str, max_children: int) -> float:
-    """One room's mutants, by mutmut in this checkout; its wall time in seconds. Raises SystemExit where mutmut
-    fails (its stats or clean run: a selected test fails without any mutant)."""
+def unkilled(room: str) -> list[str]:
+    """The room's mutants that the last run did not kill (a timeout is killed)."""
+    return [n for n, v in verdicts(room).items() if v in ("survived", "no tests", "suspicious", "not checked")]
+
+
+def run(room: str, max_children: int, names: list[str] | None = None) -> float:
+    """One room's mutants (or only `names` of them), by mutmut in this checkout; its wall time in seconds. Raises
+    SystemExit where mutmut fails (its stats or clean run: a selected test fails without any mutant)."""
     mutmut = Path(sys.executable).parent / "mutmut"  # `python -m mutmut` re-executes its main module
     start = time.monotonic()
     # One thread per torch op: mutants are forked from the process that ran the stats (and torch), and a child
     # forked from a process with an OpenMP pool segfaults in its first parallel op (217 of jobs' 659 mutants did).
     # mutmut's fork server (process_isolation) avoids it too, but took ~8 s of wall time a mutant here, not ~0.6 s.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [str(mutmut), "run", "--max-children", str(max_children), room_glob(room)]
+    cmd = [str(mutmut), "run", "--max-children", str(max_children), *(names or [room_glob(room)])]
     with server_pool(max_children + 1) as servers:  # one for each test run at once, and the stats run's
         code = subprocess.run(cmd, cwd=REPO, env={**env, **servers}).returncode
     if code:
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
     parser.add_argument("--counts", action="store_true", help="only print the counts of the last runs")
     parser.add_argument("--survivors", action="store_true", help="only list the room's surviving mutants")
+    parser.add_argument("--again", action="store_true", help="run only the mutants the last run did not kill")
     args = parser.parse_args(argv)
     # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -132,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     walls: dict[str, float] = {}
     if not args.counts:
         for r in rooms:
-            walls[r] = run(r, args.max_children)
+            names = unkilled(r) if args.again else None
+            if names == []:
+                print(f"room {r}: the last run killed every mutant", flush=True)
+                continue
+            walls[r] = run(r, args.max_children, names)
             print(f"room {r}: {walls[r] / 60:.1f} min", flush=True)
     print(table(walls))
     return 0
