@@ -3,7 +3,7 @@
 Diffusers' edit pipelines take one set of references per call (FLUX.2 repeats them over the whole batch;
 Qwen-Image-Edit-Plus takes one prompt per call), so a call holds one row and its `images_per_prompt` images;
 `generate.batch_size` does not apply. A shard's references are read when it is claimed
-(launcher/ledger/references.py, which checks each one's hash against the plan's), so a reference gone since
+(launcher/sources/references.py, which checks each one's hash against the plan's), so a reference gone since
 planning fails that shard alone, naming its path. Each is decoded to RGB with its full range (a 16-bit image
 scaled, not clipped; CMYK through its ICC profile) and brought to the row's size (its bucket) as
 `generate.reference_fit` says: `crop` (default: resized to cover the size, keeping its aspect ratio, then
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 from jobs import text_to_image
 from jobs.text_to_image import Batch, count_truncated, make_batches
-from launcher.ledger.reference_reads import load_references
+from launcher.sources.reference_reads import load_references
 
 logger = logging.getLogger(__name__)
 __all__ = ["EditBatch", "count_truncated", "pipeline_kwargs", "run_batch", "shard_batches"]

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher.ledger.shards import image_seeds, sample_ids
-from launcher.ledger.sweep import LORA_PREFIX, variants
 from launcher.models import family_of
+from launcher.plan.shards import image_seeds, sample_ids
+from launcher.plan.sweep import LORA_PREFIX, variants
 
 logger = logging.getLogger(__name__)
 

@@ -64,8 +64,8 @@ class DatasetConfig:
     prompt_column: str = "prompt"
     id_column: str | None = None
     limit: int | None = None
-    image_column: str = "image"  # job=edit: each row's reference image(s) (launcher/ledger/references.py)
-    bad_rows: str = "refuse"  # refuse (exit 2 naming the row) | skip (to rejected/<run id>.parquet: ledger/rejected.py)
+    image_column: str = "image"  # job=edit: each row's reference image(s) (launcher/sources/references.py)
+    bad_rows: str = "refuse"  # refuse (exit 2 naming the row) | skip (rejected/<run id>.parquet: sources/rejected.py)
     # source columns carried into every output with their Arrow types: a list of names, or "all"
     keep_columns: Any = field(default_factory=list)
 
@@ -82,7 +82,7 @@ class GenerateConfig:
     images_per_prompt: int = 1  # samples <prompt id>-<k>, k = 0..N-1, encoded once per prompt
     size_from_reference: bool = False  # job=edit: the first reference's size, rounded to the model's factor
     reference_fit: str = "crop"  # job=edit: crop (cover, center-crop) | pad (fit, black borders) | stretch
-    # key -> values: every prompt at every combination, samples <base id>@<v> (launcher/ledger/sweep.py)
+    # key -> values: every prompt at every combination, samples <base id>@<v> (launcher/plan/sweep.py)
     sweep: Any = None
 
 

@@ -19,7 +19,7 @@ from conftest import launch, read_rows
 from PIL import Image
 
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import SizeRule, Source, read_batches
+from launcher.sources.prompts import SizeRule, Source, read_batches
 
 LONG_ID = "x" * 300
 
@@ -110,11 +110,11 @@ def test_text_that_is_not_utf8_is_refused_at_planning_in_every_format(fmt, tmp_p
 
 def test_a_jsonl_row_that_is_not_utf8_never_reaches_the_plan_file(tmp_path):
     """The finding: JSONL passed planning and the worker's PlanFile.shard raised UnicodeDecodeError."""
-    from launcher.ledger.prompts_fast import fast_batches
+    from launcher.sources.prompts_fast import fast_batches
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "one"}\n{"prompt": "caf\xe9"}\n')
-    from launcher.ledger.prompts import _GiveUp
+    from launcher.sources.prompts import _GiveUp
 
     with pytest.raises(_GiveUp):  # the fast reader does not pass it on: the exact one names the line
         list(fast_batches(str(path), Source(str(path)), 0))
@@ -124,7 +124,7 @@ PEAK = """
 import resource, sys
 sys.path.insert(0, {root!r})
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import Source, read_batches
+from launcher.sources.prompts import Source, read_batches
 def read(p):
     try:
         return sum(b.num_rows for b in read_batches(Source(p)))
@@ -242,8 +242,8 @@ def test_a_changed_reference_is_named_as_the_change(tmp_path):
     """The stale refusal of an edit shard whose instruction is the same and whose reference changed says so."""
     from types import SimpleNamespace
 
-    from launcher.ledger.stale import refuse
     from launcher.ledger.store import Store
+    from launcher.plan.stale import refuse
 
     ref = pa.struct([("id", pa.string()), ("path", pa.string()), ("sha256", pa.string())])
     old = pa.table(
@@ -312,8 +312,8 @@ def test_a_shard_whose_rows_are_all_set_aside_is_an_empty_shard_of_the_plan(tmp_
     two rows both bad: the plan file still holds that shard, with no row (the worker marks it done with none),
     and the shards on either side their good rows, with or without an id column."""
     from launcher.config import load_config
-    from launcher.ledger.plan import PlanFile, make_plan, write_plan_file
     from launcher.ledger.store import Store
+    from launcher.plan.plan import PlanFile, make_plan, write_plan_file
 
     src = tmp_path / "p.jsonl"
     rows = [{"id": f"r{i}", "prompt": None if i in (2, 3) else f"prompt {i}"} for i in range(6)]
@@ -335,8 +335,8 @@ def test_a_shard_whose_rows_are_all_set_aside_is_an_empty_shard_of_the_plan(tmp_
 
 def test_skip_sets_aside_one_percent_bad_rows_and_generates_every_good_row_once(tiny_model, tmp_path, monkeypatch):
     from launcher.config import load_config
-    from launcher.ledger.plan import make_plan, write_plan_file
     from launcher.ledger.store import Store
+    from launcher.plan.plan import make_plan, write_plan_file
 
     src, out = tmp_path / "p.jsonl", tmp_path / "out"
     _source(src)
@@ -394,7 +394,7 @@ def test_skip_sets_aside_the_later_of_two_ids_that_make_one_file_name(tmp_path):
     """`a b` and `a_b` both become the file a_b.png: refuse names both, skip keeps the first and sets aside the other
     (found once every id is read, so planning reads the source again without it); an id twice is a duplicate,
     its later rows set aside naming the first's row."""
-    from launcher.ledger.rejected import Recheck
+    from launcher.sources.rejected import Recheck
 
     ids = ("a b", "c", "a_b", "d", "c", "e", "c")
     path = write_source(tmp_path, "jsonl", [{"id": i, "prompt": i} for i in ids])

@@ -8,9 +8,9 @@ from conftest import launch
 from launcher.errors import ConfigError, LockHeld
 from launcher.ledger.claims import Claims
 from launcher.ledger.lock import RunLock, run_alive
-from launcher.ledger.prompts import read_prompts
 from launcher.ledger.states import state_token
 from launcher.ledger.store import Store
+from launcher.sources.prompts import read_prompts
 
 
 def test_a_live_claim_is_respected_and_a_dead_one_taken_over(tmp_path):
@@ -167,7 +167,7 @@ def test_the_end_of_a_run_deletes_dead_claims_and_keeps_live_ones(where, tmp_pat
     """A run killed between a shard's state and its claim's release leaves the claim on a done shard, which no
     later run claims again: the end of a run that shares the folder with no live run deletes it (and on disk the
     empty folders), and keeps a live run's claim. Seen once as a finished folder that kept claims/ (test_faults)."""
-    from launcher.ledger.plan import plan_rel, tidy
+    from launcher.plan.plan import plan_rel, tidy
 
     if where != "disk":
         request.getfixturevalue({"s3": "s3", "gs": "gcs"}[where])  # the local S3 or GCS server

@@ -12,9 +12,9 @@ from conftest import launch
 from launcher.errors import LockHeld
 from launcher.ledger.claims import Claims
 from launcher.ledger.lock import RunLock
-from launcher.ledger.plan import Plan, ShardPlan
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
+from launcher.plan.plan import Plan, ShardPlan
 
 # shard states after the run -> the launcher's exit code, written out (DESIGN.md "Exit status"):
 # 0 every selected shard is done (or held by another live run, which answers for it); 3 anything else not done.

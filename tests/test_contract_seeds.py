@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from jobs.text_to_image import make_batches
 from launcher.config import load_config
-from launcher.ledger.shards import (
+from launcher.plan.shards import (
     image_seeds,
     row_seed,
     sample_ids,
@@ -286,7 +286,7 @@ def test_prompt_fingerprints_are_known_answers():
     """State files carry these: a change of the hashing makes every done shard of every old folder stale.
     The legacy value is by hand (hashlib over json.dumps of each row without its empty cells, sorted keys, one
     line each); the v2 values were recorded once, for the same reason as the tiny fingerprint above."""
-    from launcher.ledger.shards import legacy_fingerprint, prompts_fingerprint, same_prompts
+    from launcher.plan.shards import legacy_fingerprint, prompts_fingerprint, same_prompts
 
     t = _prompts_table()
     assert legacy_fingerprint(t) == "a3b1d4c10c9b5fd5"
@@ -306,7 +306,7 @@ def test_prompt_fingerprints_are_known_answers():
 
 def test_run_shards_selection():
     from launcher.errors import ConfigError
-    from launcher.ledger.shards import parse_selection
+    from launcher.plan.shards import parse_selection
 
     assert [parse_selection(s, 4) for s in ("pending", "failed", "all")] == ["pending", "failed", "all"]
     assert parse_selection([3, 0, 3], 4) == [0, 3] and parse_selection(2, 4) == [2] and parse_selection("1", 4) == [1]
@@ -322,7 +322,7 @@ def test_prompt_fingerprints_see_values_not_layout():
     """Chunks, slices in the middle and integer widths are layout: the same rows hash the same."""
     import pyarrow as pa
 
-    from launcher.ledger.shards import legacy_fingerprint, prompts_fingerprint
+    from launcher.plan.shards import legacy_fingerprint, prompts_fingerprint
 
     t = _prompts_table()
     two_chunks = pa.concat_tables([t.slice(0, 1), t.slice(1)])
@@ -338,7 +338,7 @@ def test_prompt_fingerprints_see_values_not_layout():
 
 def test_colliding_sample_ids_are_named_in_one_line():
     from launcher.errors import ConfigError
-    from launcher.ledger.shards import check_sample_ids
+    from launcher.plan.shards import check_sample_ids
 
     with pytest.raises(ConfigError) as e:
         check_sample_ids(["x-1", "x-1-0"], 2)

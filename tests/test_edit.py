@@ -163,7 +163,7 @@ def _padded(png: bytes, size: int) -> bytes:
 
 def _refs(folder: Path, source: Path) -> list[bytes]:
     """Three of the source run's images as files in `folder`/refs, and a JSONL that names them relatively. The
-    second is padded past the 1 MiB that planning hashes a file by (launcher/ledger/references.py `_CHUNK`): a
+    second is padded past the 1 MiB that planning hashes a file by (launcher/sources/references.py `_CHUNK`): a
     hash of its first chunk alone would not be its sha256."""
     rows = read_rows(source)
     (folder / "refs").mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,7 @@ def _bad_source(tmp_path: Path, case: str) -> Path:
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_references_are_refused_at_planning_naming_file_and_line(case, tmp_path):
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts import SizeRule, Source, read_batches
+    from launcher.sources.prompts import SizeRule, Source, read_batches
 
     src = _bad_source(tmp_path, case)
     rule = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)  # FLUX.2's: 4 megapixels, 10 references

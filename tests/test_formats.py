@@ -11,7 +11,7 @@ import pytest
 from conftest import launch, read_rows
 from PIL import Image
 
-from launcher.ledger.prompts import read_prompts
+from launcher.sources.prompts import read_prompts
 
 ROWS = [
     {"prompt": "a red fox", "seed": 7},

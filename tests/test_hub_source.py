@@ -19,7 +19,7 @@ from conftest import launch, read_rows
 from fake_hub import Repo
 
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import Source, filesystem, read_batches, source_files
+from launcher.sources.prompts import Source, filesystem, read_batches, source_files
 
 REPO = "org/prompts"
 ADDRESS = f"hf://datasets/{REPO}"

@@ -19,10 +19,10 @@ import pytest
 from conftest import REPO, launch, read_rows
 
 from launcher.errors import ConfigError
-from launcher.ledger.bounds import TEXT_BYTES
-from launcher.ledger.prompts import SCHEMA, Source, _batches, _exact_rows, _GiveUp, source_files
-from launcher.ledger.prompts_fast import fast_batches
 from launcher.ledger.store import Store
+from launcher.sources.bounds import TEXT_BYTES
+from launcher.sources.prompts import SCHEMA, Source, _batches, _exact_rows, _GiveUp, source_files
+from launcher.sources.prompts_fast import fast_batches
 
 # A tool run as a script finds the package through the path; this checkout's, not the venv's editable install.
 TOOL_ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -352,8 +352,8 @@ def test_the_whole_source_checks_its_ids_once_read(tmp_path):
     """An empty source is refused naming it; with N images a prompt id that is another prompt's sample id is
     refused naming both (a sweep: its variant ids); with dataset.bad_rows=skip a row set aside for its own reason
     takes no part in the id checks, and the later of two good rows with one id is set aside."""
-    from launcher.ledger.prompts import read_batches
-    from launcher.ledger.rejected import Recheck
+    from launcher.sources.prompts import read_batches
+    from launcher.sources.rejected import Recheck
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -395,7 +395,7 @@ def test_the_fast_reader_takes_a_csv_whole_over_several_blocks(tmp_path, monkeyp
     (4 MiB in use), row for row as the exact reader reads it."""
     import csv
 
-    from launcher.ledger import prompts_fast
+    from launcher.sources import prompts_fast
 
     monkeypatch.setattr(prompts_fast, "_BLOCK", 200)
     rows = [

@@ -11,8 +11,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from launcher.ledger import globs
-from launcher.ledger.prompts import source_files
+from launcher.sources import globs
+from launcher.sources.prompts import source_files
 
 PROMPTS3 = "a red fox\na blue bird\na green frog\n"
 

@@ -57,7 +57,7 @@ def test_a_plain_call_kwarg_within_bounds_passes_and_is_recorded(tiny_model):
     """What the pipeline is called with is what run.json fingerprints (model.call_kwargs, as given)."""
     from launcher.config import load_config
     from launcher.host.checks import check_settings
-    from launcher.ledger.shards import settings
+    from launcher.plan.shards import settings
 
     over = ["model.call_kwargs.text_encoder_out_layers=[1,2]", "+model.call_kwargs.caption_upsample_temperature=0.7"]
     cfg = load_config("tiny", [f"model.path={tiny_model}", *over])
@@ -111,8 +111,8 @@ def test_every_family_declares_the_row_fields_its_pipeline_takes():
     """Held to the real diffusers pipelines' __call__ signatures: `seed` is the generator, the rest by name."""
     import diffusers
 
-    from launcher.ledger.prompts import OVERRIDE_COLUMNS
     from launcher.models import ROW_FIELDS, families
+    from launcher.sources.prompts import OVERRIDE_COLUMNS
 
     assert set(ROW_FIELDS) == set(OVERRIDE_COLUMNS)
     for fam in families():

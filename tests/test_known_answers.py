@@ -73,8 +73,8 @@ def long_prompts(tmp_path):
 
 @pytest.mark.parametrize("kind", ["txt", "prompt", "negative"])
 def test_the_prompt_limit_counts_bytes_in_both_readers(long_prompts, kind):
-    from launcher.ledger.prompts import Source, _exact_rows, _GiveUp, read_batches
-    from launcher.ledger.prompts_fast import fast_batches
+    from launcher.sources.prompts import Source, _exact_rows, _GiveUp, read_batches
+    from launcher.sources.prompts_fast import fast_batches
 
     column = "negative_prompt" if kind == "negative" else "prompt"
     path, text = long_prompts(30_000, kind)
@@ -95,7 +95,7 @@ def test_the_prompt_limit_counts_bytes_in_both_readers(long_prompts, kind):
 def test_a_done_shard_whose_prompts_changed_is_stale(tmp_path):
     """Shards of 2 prompts, both done; one prompt of shard 0 edited: shard 0 is stale (refused by default,
     regenerated with run.stale=regenerate), shard 1 is still done."""
-    from launcher.ledger.plan import make_plan
+    from launcher.plan.plan import make_plan
 
     src = tmp_path / "p.txt"
     src.write_text("a red cat\na blue dog\na green tree\na grey sky\n")
@@ -132,7 +132,7 @@ def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
     """Under step caching each tp rank hashes the images it computed and the ranks compare: run_shard as rank 0
     of a tp group of 2, in this process, whose peer's messages are what run_shard itself sent in an earlier run
     (of the same images, or of images one level off in one pixel). A runner that hashed nothing would agree."""
-    from launcher.ledger.shards import Shard
+    from launcher.plan.shards import Shard
     from launcher.worker import runner
 
     cfg = load_config("tiny", ["execution.cache=taylorseer"])

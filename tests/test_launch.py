@@ -77,7 +77,7 @@ def test_a_process_that_opened_an_object_store_is_not_forked_for_the_server(s3, 
 
     code = (
         "from launcher.ledger.store import Store, opened_remote\n"
-        "from launcher.ledger.prompts import filesystem\n"
+        "from launcher.sources.prompts import filesystem\n"
         f"Store({str(tmp_path)!r}); filesystem({str(tmp_path)!r})\n"
         "print(opened_remote())\n"
         "filesystem('s3://meshgen-test/prompts/*.txt')\n"

@@ -9,7 +9,8 @@ import pytest
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "launcher"
 # room -> rooms it must never import (the root's shared modules and launcher/models are open to all)
-FORBIDDEN = {"ledger": ("host", "worker"), "worker": ("host",), "models": ("host", "worker", "ledger")}
+BOOKS = ("sources", "plan", "ids", "ledger")  # the bookkeeping: rows in, the plan (by row and by id), what is done
+FORBIDDEN = {room: ("host", "worker") for room in BOOKS} | {"worker": ("host",), "models": ("host", "worker", *BOOKS)}
 
 
 def _imports(path: Path) -> set[str]:

@@ -6,11 +6,11 @@ import pyarrow as pa
 import pytest
 from test_formats import ROWS, write_source
 
-from launcher.ledger.prompts import SCHEMA, Source, _batches, _exact_rows, source_files
-from launcher.ledger.prompts_fast import fast_batches
-from launcher.ledger.shards import legacy_fingerprint, prompts_fingerprint
 from launcher.ledger.states import Ledger, state_rel
 from launcher.ledger.store import Store
+from launcher.plan.shards import legacy_fingerprint, prompts_fingerprint
+from launcher.sources.prompts import SCHEMA, Source, _batches, _exact_rows, source_files
+from launcher.sources.prompts_fast import fast_batches
 
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "csv", "parquet", "saved"])
@@ -163,7 +163,7 @@ def test_run_records_are_read_oldest_first_the_newest_readable_one_is_the_latest
 def test_a_source_that_cannot_be_read_is_one_line_naming_it_and_what_to_check(monkeypatch):
     """A prompt source the store will not give: one line with the address, the store's first line of why (at most
     300 characters; its kind where it says nothing), and what to check for that kind of address."""
-    from launcher.ledger.prompts import unreadable
+    from launcher.sources.prompts import unreadable
 
     long = OSError("x" * 400 + "\nsecond line")
     assert unreadable("/data/a.jsonl", long) == (
@@ -223,14 +223,14 @@ def test_the_store_clock_is_the_time_a_probe_file_gets_there_not_this_hosts(tmp_
 
 
 def test_the_exact_reader_names_a_missing_column_a_damaged_file_and_each_malformed_csv_line(tmp_path):
-    """launcher/ledger/prompts_raw.py, the reader that names each row's place: a Parquet file or saved dataset
+    """launcher/sources/prompts_raw.py, the reader that names each row's place: a Parquet file or saved dataset
     without the column it was asked for names the column and its role; a file pyarrow cannot read is named as
     such; a CSV's malformed header, a file with no header and a malformed record are each one line."""
     import datasets
     import pyarrow.parquet as pq
 
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts_raw import csv_header, raw_rows
+    from launcher.sources.prompts_raw import csv_header, raw_rows
 
     def refusal(f, col="prompt", role="prompt") -> str:
         with pytest.raises(ConfigError) as e:

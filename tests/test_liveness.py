@@ -19,8 +19,8 @@ from launcher.errors import LockHeld
 from launcher.ledger import lock as lock_mod
 from launcher.ledger.claims import Claims, held_elsewhere
 from launcher.ledger.lock import RunLock, read_lock
-from launcher.ledger.plan import plan_rel, tidy
 from launcher.ledger.store import Store
+from launcher.plan.plan import plan_rel, tidy
 
 STEP_S = 120
 

@@ -368,7 +368,7 @@ def test_a_reference_stored_in_a_parquet_is_read_from_its_rows_group_past_the_fi
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.ledger.reference_reads import load_references
+    from launcher.sources.reference_reads import load_references
 
     images = [
         [{"bytes": png((i, 0, 0), (2, 2)), "path": f"{i}.png"}, {"bytes": png((0, i, 0), (2, 2)), "path": None}]
@@ -398,7 +398,7 @@ def test_a_reference_gone_or_changed_since_planning_fails_its_shard_naming_the_f
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.ledger.reference_reads import load_references
+    from launcher.sources.reference_reads import load_references
 
     a, b = tmp_path / "a.png", tmp_path / "b.png"
     a.write_bytes(png((1, 2, 3), (2, 2)))
@@ -438,8 +438,8 @@ def test_a_done_shards_changed_added_and_removed_prompts_are_named_and_shifted_r
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.ledger.stale import changed_ids
     from launcher.ledger.store import Store
+    from launcher.plan.stale import changed_ids
 
     (tmp_path / "data").mkdir()
     pq.write_table(
@@ -641,7 +641,7 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
     """A run over done shards whose prompts (or references) changed is refused naming the shards, up to five
     changed samples and how many more, and run.stale=regenerate / keep; without an id column, shifted prompts
     point at dataset.id_column."""
-    from launcher.ledger.stale import stale_message
+    from launcher.plan.stale import stale_message
 
     positional = OmegaConf.create({"dataset": {"id_column": None}})
     by_id = OmegaConf.create({"dataset": {"id_column": "uid"}})
@@ -668,7 +668,7 @@ def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_
 
 
 def test_the_prompts_fingerprint_sees_values_not_their_layout():
-    """launcher/ledger/shards.py prompts_fingerprint: the same values hash the same however Arrow lays them out (a
+    """launcher/plan/shards.py prompts_fingerprint: the same values hash the same however Arrow lays them out (a
     slice, several chunks); an all-empty string column is hashed, an all-null one left out; a kept column of any
     other type hashes its type and its values as JSON, dates and structs included, whatever the order of a
     struct's fields."""
@@ -676,7 +676,7 @@ def test_the_prompts_fingerprint_sees_values_not_their_layout():
 
     import pyarrow as pa
 
-    from launcher.ledger.shards import prompts_fingerprint as fp
+    from launcher.plan.shards import prompts_fingerprint as fp
 
     base = {"id": pa.array(["a", "b"]), "prompt": pa.array(["x", "y"])}
     empty = fp(pa.table({**base, "negative_prompt": pa.array(["", ""])}))
@@ -701,9 +701,9 @@ def test_run_stale_keep_is_recorded_in_done_states_only_and_read_back_as_kept_st
     """DESIGN.md run.stale=keep: a kept shard's state records the changed prompts' fingerprint (and the ids that
     changed, where there are ids); the same command finds it done, and status, report and card show it as
     kept-stale: a done state with that record only."""
-    from launcher.ledger.stale import KEPT, KEPT_IDS, is_kept, kept_stale, record_kept
     from launcher.ledger.states import read_state, state_rel
     from launcher.ledger.store import Store
+    from launcher.plan.stale import KEPT, KEPT_IDS, is_kept, kept_stale, record_kept
 
     store = Store(tmp_path)
     store.write_json(state_rel(0), {"status": "done", "rows": 2})
@@ -720,7 +720,7 @@ def test_run_stale_keep_is_recorded_in_done_states_only_and_read_back_as_kept_st
 
 
 def test_the_stale_refusal_reads_the_first_stale_shards_until_five_samples_are_named(tmp_path):
-    """launcher/ledger/stale.py refuse: the refusal names up to five changed samples, read from the first stale
+    """launcher/plan/stale.py refuse: the refusal names up to five changed samples, read from the first stale
     shards in turn, and reads no further shard once five are named (a shard not read makes it "and more")."""
     from types import SimpleNamespace
 
@@ -728,8 +728,8 @@ def test_the_stale_refusal_reads_the_first_stale_shards_until_five_samples_are_n
     import pyarrow.parquet as pq
 
     from launcher.errors import ConfigError
-    from launcher.ledger.stale import refuse
     from launcher.ledger.store import Store
+    from launcher.plan.stale import refuse
 
     (tmp_path / "data").mkdir()
     changes = {0: 4, 1: 1, 2: 1}  # shard -> how many of its 6 prompts changed: 4, then the fifth, then one unread
@@ -766,15 +766,15 @@ def test_the_stale_refusal_reads_the_first_stale_shards_until_five_samples_are_n
 
 
 def test_a_done_shard_that_only_left_out_rows_set_aside_then_is_told_from_one_whose_rows_changed(tmp_path):
-    """launcher/ledger/rejected.py: a run writes the rows it set aside to rejected/<run id>.parquet; a later run
+    """launcher/sources/rejected.py: a run writes the rows it set aside to rejected/<run id>.parquet; a later run
     reads it back, and a done shard whose state is its rows now less those (and less the rows set aside now) has
     only grown by fixed rows. Any other difference, a state without a run id, or a file that cannot be read, is
     not that."""
     import pyarrow as pa
 
-    from launcher.ledger import rejected
-    from launcher.ledger.shards import prompts_fingerprint as fp
     from launcher.ledger.store import Store
+    from launcher.plan.shards import prompts_fingerprint as fp
+    from launcher.sources import rejected
 
     store = Store(tmp_path)
     rows = lambda *ks: pa.table({"id": [f"r{k}" for k in ks], "prompt": [f"p{k}" for k in ks]})  # noqa: E731
@@ -808,7 +808,7 @@ def test_split_takes_a_shards_accepted_rows_and_records_each_set_aside_row_where
     file and line (from "dataset FILE, line N" or "row N"), its position in the source, its shard, id and reason."""
     import pyarrow as pa
 
-    from launcher.ledger import rejected
+    from launcher.sources import rejected
 
     why = lambda where: json.dumps({"where": where, "reason": "too long"})  # noqa: E731
     table = pa.table(
@@ -879,10 +879,10 @@ def test_split_takes_a_shards_accepted_rows_and_records_each_set_aside_row_where
     ],
 )
 def test_the_reach_of_a_dataset_path_is_what_glob_would_list(source, output, inside):
-    """launcher/ledger/reach.py and DESIGN (globs mean what Python's glob means): an output folder the source could
+    """launcher/sources/reach.py and DESIGN (globs mean what Python's glob means): an output folder the source could
     read from is refused, naming both and the fix; one outside it is accepted."""
     from launcher.errors import ConfigError
-    from launcher.ledger.reach import check_output_outside_source, reaches
+    from launcher.sources.reach import check_output_outside_source, reaches
 
     assert reaches(source, output) is inside
     if inside:
@@ -899,7 +899,7 @@ def test_the_reach_of_a_dataset_path_is_what_glob_would_list(source, output, ins
 def test_the_reach_of_a_glob_through_a_link_is_the_folder_it_leads_to(tmp_path):
     """reach.py: on local disk both sides are resolved first, so a glob whose base is a link reaches the output
     folder named by its real path, and the other way round."""
-    from launcher.ledger.reach import reaches
+    from launcher.sources.reach import reaches
 
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
@@ -1038,7 +1038,7 @@ def test_shards_are_cut_by_row_position_whatever_the_batches_and_dataset_limit_k
     shard starts at or past it."""
     import pyarrow as pa
 
-    from launcher.ledger import plan as plan_mod
+    from launcher.plan import plan as plan_mod
 
     def read_batches(src):
         start = 0
@@ -1061,8 +1061,8 @@ def test_a_shards_status_from_its_state_and_its_rows_now():
     shard done in full is done under a lower dataset.limit; run.stale=keep keeps exactly the prompts it kept."""
     import pyarrow as pa
 
-    from launcher.ledger.plan import shard_status
-    from launcher.ledger.shards import prompts_fingerprint as fp
+    from launcher.plan.plan import shard_status
+    from launcher.plan.shards import prompts_fingerprint as fp
 
     rows = lambda *ks: pa.table({"id": [f"r{k}" for k in ks], "prompt": [f"p{k}" for k in ks]})  # noqa: E731
     done = lambda t, **kw: {"status": "done", "prompts_fingerprint": fp(t), "rows": t.num_rows, **kw}  # noqa: E731
@@ -1090,8 +1090,8 @@ def test_the_exact_reader_names_a_bad_rows_place_what_is_wrong_and_the_fix():
     """DESIGN, bad rows: refused at planning naming the row; per-row height and width are checked against the
     model's size factor and pixel limit (a row giving one of the two takes the other from the config)."""
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts import SizeRule, Source
-    from launcher.ledger.prompts_exact import _exact_row
+    from launcher.sources.prompts import SizeRule, Source
+    from launcher.sources.prompts_exact import _exact_row
 
     sizes = SizeRule(multiple=16, max_pixels=1024 * 1024, height=512, width=256)
     src = Source("d.jsonl", id_column="uid", sizes=sizes)
@@ -1141,8 +1141,8 @@ def test_the_csv_reader_numbers_each_record_by_its_line_and_names_what_is_wrong(
     a bad row at its own line; an empty cell of a per-row setting is no value. Read from an old end, the lines go
     on being numbered from there, under the file's header."""
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts_raw import _csv
-    from launcher.ledger.row_checks import Bad
+    from launcher.sources.prompts_raw import _csv
+    from launcher.sources.row_checks import Bad
 
     f = tmp_path / "p.csv"
     body = b'prompt,seed\n"a cat",1\n\n"two\nlines",\nx,y,z\n\xff\xfe,3\n"q\n\xff",4\nlast,5\n'
@@ -1207,7 +1207,7 @@ def test_a_sweep_is_checked_key_by_key_against_the_configs_bounds(sweep, says):
     """DESIGN: every value bounded; a sweep's values have the bounds of the config value they set (exit 2 naming
     the key and the value)."""
     from launcher.errors import ConfigError
-    from launcher.ledger.sweep import check_sweep
+    from launcher.plan.sweep import check_sweep
 
     gen = {"sweep": sweep}
     loras = [{"path": "a.safetensors", "scale": 1.0}]
@@ -1269,8 +1269,8 @@ def test_kept_columns_are_attached_row_for_row_across_files_and_read_chunks(tmp_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.ledger import keep
-    from launcher.ledger.prompts import Source
+    from launcher.sources import keep
+    from launcher.sources.prompts import Source
 
     monkeypatch.setattr(keep, "_READ_ROWS", 3)
     files, k = [], 0
@@ -1300,8 +1300,8 @@ def test_kept_columns_that_do_not_fit_the_first_files_types_or_are_missing_are_n
     import pyarrow as pa
 
     from launcher.errors import ConfigError
-    from launcher.ledger import keep
-    from launcher.ledger.prompts import Source
+    from launcher.sources import keep
+    from launcher.sources.prompts import Source
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"prompt": "x", "n": 1}\n')
@@ -1341,11 +1341,11 @@ def _png(path, w: int, h: int) -> bytes:
 
 
 def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_bounds(tmp_path, monkeypatch):
-    """launcher/ledger/reference_checks.py: a reference is an image, not cut short, within the family's pixels,
+    """launcher/sources/reference_checks.py: a reference is an image, not cut short, within the family's pixels,
     at least 64 px a side and at most 8:1 (diffusers' edit pipelines' own bounds), and read within a size bound;
     each failure is one line naming the row, the file and the fix. Its hash is the sha256 of all its bytes."""
     from launcher.errors import ConfigError
-    from launcher.ledger import reference_checks as rc
+    from launcher.sources import reference_checks as rc
 
     monkeypatch.setattr(rc, "_CHUNK", 100)  # several chunks per file
     at, mp = "dataset d.jsonl, line 3", 1 << 20
@@ -1514,8 +1514,8 @@ def test_a_stale_shards_changed_ids_are_read_from_its_parquet_and_a_shift_is_tol
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.ledger.stale import changed_ids
     from launcher.ledger.store import Store
+    from launcher.plan.stale import changed_ids
 
     store = Store(tmp_path)
     (tmp_path / "data").mkdir()
@@ -1678,10 +1678,10 @@ FAST_CASES = {  # (suffix, bytes, whether the fast reader must read it itself)
 
 @pytest.mark.parametrize("case", FAST_CASES)
 def test_the_fast_reader_yields_what_the_exact_reader_does_or_gives_up(case, tmp_path, monkeypatch):
-    """launcher/ledger/prompts_fast.py: it yields exactly the rows the exact reader would, batch boundaries
+    """launcher/sources/prompts_fast.py: it yields exactly the rows the exact reader would, batch boundaries
     anywhere, or gives up; a plain file it reads itself."""
-    from launcher.ledger import prompts, prompts_fast
-    from launcher.ledger.prompts import Source, _GiveUp
+    from launcher.sources import prompts, prompts_fast
+    from launcher.sources.prompts import Source, _GiveUp
 
     monkeypatch.setattr(prompts_fast, "BATCH_ROWS", 3)
     suffix, data, fast_reads = FAST_CASES[case]
@@ -1720,11 +1720,11 @@ SIZED = {  # rows of a JSON lines source -> whether the fast reader must give up
 
 @pytest.mark.parametrize("case", SIZED)
 def test_the_fast_reader_gives_up_on_each_value_the_exact_reader_must_judge(case, tmp_path):
-    """launcher/ledger/prompts_fast.py: with the model's size rule (multiples of 16, at most 1024x1024 pixels), the
+    """launcher/sources/prompts_fast.py: with the model's size rule (multiples of 16, at most 1024x1024 pixels), the
     bounds of seeds and steps and those of ids, a batch holding a value the exact reader refuses or must name is
     given up whole; one whose values all fit is read by the fast reader itself, as the exact reader reads it."""
-    from launcher.ledger import prompts, prompts_fast
-    from launcher.ledger.prompts import SizeRule, Source, _GiveUp
+    from launcher.sources import prompts, prompts_fast
+    from launcher.sources.prompts import SizeRule, Source, _GiveUp
 
     rows, gives_up = SIZED[case]
     f = tmp_path / "p.jsonl"
@@ -1745,12 +1745,12 @@ def test_the_fast_reader_gives_up_on_each_value_the_exact_reader_must_judge(case
 
 
 def test_each_changed_shard_names_its_first_five_changed_ids_once_each():
-    """launcher/ledger/idresolve.py _name: for the refusal and kept_ids, each shard keeps up to five changed ids, the
+    """launcher/ids/idresolve.py _name: for the refusal and kept_ids, each shard keeps up to five changed ids, the
     first of its rows in order, an id twice counted once, added to what that shard named already."""
     import numpy as np
     import pyarrow as pa
 
-    from launcher.ledger.idresolve import _name
+    from launcher.ids.idresolve import _name
 
     shards = np.array([2, 0, 2, 2, 0, 2, 2, 2, 2, 1, 0])
     ids = pa.array(["x", "p", "x", "a", "q", "b", "c", "d", "e", "z", "r"])
@@ -1765,11 +1765,11 @@ def test_each_changed_shard_names_its_first_five_changed_ids_once_each():
 
 
 def test_the_fast_reader_reads_lines_up_to_the_line_bound_and_gives_up_past_it(tmp_path, monkeypatch):
-    """launcher/ledger/prompts_fast.py: a .txt line is read at most LINE_BYTES characters at a time (a longer one
+    """launcher/sources/prompts_fast.py: a .txt line is read at most LINE_BYTES characters at a time (a longer one
     is never held whole): lines within the bound are read by the fast reader itself, as the exact reader reads them;
     a longer one makes it give up (the exact reader names its line) rather than split it."""
-    from launcher.ledger import prompts, prompts_fast, prompts_raw
-    from launcher.ledger.prompts import Source, _GiveUp
+    from launcher.sources import prompts, prompts_fast, prompts_raw
+    from launcher.sources.prompts import Source, _GiveUp
 
     for module in (prompts_fast, prompts_raw):
         monkeypatch.setattr(module, "LINE_BYTES", 20)
@@ -1783,13 +1783,13 @@ def test_the_fast_reader_reads_lines_up_to_the_line_bound_and_gives_up_past_it(t
 
 
 def test_an_old_maps_rows_are_found_by_id_once_each():
-    """launcher/ledger/idplan.py: each id read now is found in its file's old map by its hash and its name; one
+    """launcher/ids/idplan.py: each id read now is found in its file's old map by its hash and its name; one
     read twice is found once (the second is a duplicate), one matched before is not found again, and an id the
     map lacks, or one whose hash another id has, is not found."""
     import numpy as np
     import pyarrow as pa
 
-    from launcher.ledger.idplan import _Own
+    from launcher.ids.idplan import _Own
 
     table = pa.table({"id": ["x", "y", "z"], "h": pa.array([30, 10, 20], pa.uint64()), "fp": [1, 2, 3],
                       "shard": [0, 0, 1], "pos": [0, 1, 0]})  # fmt: skip
@@ -1970,12 +1970,12 @@ def test_the_ledger_keeps_a_done_states_files_in_index_form_and_no_traceback(tmp
 
 
 def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
-    """launcher/ledger/references.py plan_row: a row's references (a path, relative to the source's folder, a list
+    """launcher/sources/references.py plan_row: a row's references (a path, relative to the source's folder, a list
     of them, or images stored in the row) are each hashed (sha256 of their bytes) and located for lineage; the
     first one's size is the row's; none, too many, or an entry that is no image or path is refused naming it."""
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts import SizeRule, Source
-    from launcher.ledger.references import plan_row, stored_name
+    from launcher.sources.prompts import SizeRule, Source
+    from launcher.sources.references import plan_row, stored_name
 
     src = Source("d.jsonl", image_column="ref", sizes=SizeRule(16, 1 << 20, 512, 512, max_references=2))
     at, f = "dataset d.jsonl, line 2", str(tmp_path / "d.jsonl")
@@ -2009,12 +2009,12 @@ def test_a_rows_references_are_hashed_located_and_counted(tmp_path):
 
 
 def test_late_rejections_are_marked_on_the_rows_of_their_positions():
-    """launcher/ledger/rejected.py marked: a batch whose first row is source position `at` gets its `rejected`
+    """launcher/sources/rejected.py marked: a batch whose first row is source position `at` gets its `rejected`
     column (null where a row is fine), and each late rejection (a duplicate id found once every row was read) is
     set on the row at its position, saying where and why; rejections of other batches' rows are not."""
     import pyarrow as pa
 
-    from launcher.ledger import rejected
+    from launcher.sources import rejected
 
     b = pa.RecordBatch.from_pydict({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"]})
     out = rejected.marked(b, 10, ((9, "before"), (11, "dup of a"), (13, "after")))
@@ -2063,7 +2063,7 @@ def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming
     """DESIGN: every value bounded; a row's seed, size, steps, guidance and negative prompt are taken as the
     pipeline needs them, or refused naming the row, the column, the value and what it must be."""
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts_exact import _NEEDS, _override
+    from launcher.sources.prompts_exact import _NEEDS, _override
 
     at = "dataset d.csv, line 9"
     if taken is not None:
@@ -2353,7 +2353,7 @@ def test_the_progress_bar_counts_this_runs_done_images_and_failed_shards(tmp_pat
 def test_the_true_cfg_scales_a_run_calls_with_and_lora_scale_keys():
     """The true_cfg_scale values the pipeline is called with: the swept ones, else model.call_kwargs', else none;
     `lora_scale.<i>` names the i-th LoRA's scale only with i written plainly."""
-    from launcher.ledger.sweep import lora_index, true_cfg_scales
+    from launcher.plan.sweep import lora_index, true_cfg_scales
 
     cfg = lambda sweep=None, kw=None: OmegaConf.create({"generate": {"sweep": sweep}, "model": {"call_kwargs": kw}})  # noqa: E731
     assert true_cfg_scales(cfg()) == []
@@ -2369,8 +2369,8 @@ def test_a_parquet_row_whose_text_is_not_utf8_is_a_bad_row_not_an_unreadable_fil
     as such), its neighbours read as they are, large strings too, and nulls stay nulls."""
     import pyarrow as pa
 
-    from launcher.ledger.prompts_raw import rows_of
-    from launcher.ledger.row_checks import Bad
+    from launcher.sources.prompts_raw import rows_of
+    from launcher.sources.row_checks import Bad
 
     raw = pa.array([b"ok", b"\xff\xfe", None], pa.binary())
     batch = pa.RecordBatch.from_arrays(
@@ -2395,7 +2395,7 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
     import os
 
     from launcher.errors import ConfigError
-    from launcher.ledger.prompts import source_files
+    from launcher.sources.prompts import source_files
 
     g = tmp_path / "g"
     for f in ("top.txt", "a/one.txt", "c/two.txt", "a/.dot.txt", ".h/hidden.txt"):
@@ -2414,7 +2414,7 @@ def test_a_glob_lists_each_file_once_under_its_first_path_and_names_a_loop(tmp_p
 
     want = first_paths(glob.glob(f"{g}/**/*.txt", recursive=True))
     assert want == [f"{g}/a/hard.txt", f"{g}/a/link.txt", f"{g}/a/one.txt"]  # the fixture reaches every kind
-    with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
+    with caplog.at_level(logging.INFO, logger="launcher.sources.globs"):
         assert source_files(f"{g}/**/*.txt") == want
     for pattern in ("*/two.txt", "*/.*.txt", ".*/*.txt", "[a-c]/*.txt"):  # a plain part after a glob; "." names
         assert source_files(f"{g}/{pattern}") == first_paths(glob.glob(f"{g}/{pattern}")), pattern
@@ -2438,8 +2438,8 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(store_env, caplog):
 
     import pyarrow.fs as pafs
 
-    from launcher.ledger.globs import once_each
     from launcher.ledger.store import Store
+    from launcher.sources.globs import once_each
 
     scheme = f"{store_env[0]}://"
     store = Store(f"{scheme}meshgen-test/once")
@@ -2449,7 +2449,7 @@ def test_objects_of_one_size_time_and_etag_are_listed_once(store_env, caplog):
     at = 1_700_000_000_000_000_000
     infos = {f: pafs.FileInfo(f, pafs.FileType.File, mtime_ns=at, size=4) for f in found[:3]}
     infos[found[3]] = pafs.FileInfo(found[3], pafs.FileType.File, mtime_ns=at, size=10)
-    with caplog.at_level(logging.INFO, logger="launcher.ledger.globs"):
+    with caplog.at_level(logging.INFO, logger="launcher.sources.globs"):
         assert once_each(found, infos, store.fs, scheme) == [found[0], found[2], found[3]]
     assert f"dataset.path: {scheme}{found[1]} has the content of {scheme}{found[0]}: read once" in caplog.text
     assert once_each(found[:2], infos, store.fs, scheme) == found[:1]  # a pair alike
@@ -2465,8 +2465,8 @@ def test_bounds_at_their_edges_and_each_refusal_line_whole():
     """DESIGN: a prompt at most 64 KiB of UTF-8 (counted in bytes: 16,384 four-byte characters are exactly 64 KiB),
     steps 1..1000 and guidance finite in 0..100 by whatever path, and `model.call_kwargs` holding only plain values
     within the same bounds; each refusal is one whole line naming the key and the fix."""
-    from launcher.ledger.bounds import call_kwargs_problem, config_problems, number_problem, text_problem
-    from launcher.ledger.row_checks import id_problem, line_problem
+    from launcher.sources.bounds import call_kwargs_problem, config_problems, number_problem, text_problem
+    from launcher.sources.row_checks import id_problem, line_problem
 
     four = "\U0001f600"  # 4 bytes of UTF-8
     assert text_problem("p", four * 16384) is None and text_problem("p", "a" * 65536) is None
@@ -2810,7 +2810,7 @@ def test_a_prompt_id_that_is_another_prompts_sample_id_is_refused_in_either_orde
     both, and `b@0` with a sweep of one value); a prompt id that another prompt's sample id repeats is refused,
     whichever comes first, naming what makes the sample ids."""
     from launcher.errors import ConfigError
-    from launcher.ledger.shards import check_sample_ids, settings_diff
+    from launcher.plan.shards import check_sample_ids, settings_diff
 
     both, sweep = "generate.images_per_prompt=2 and generate.sweep", "generate.sweep"
     cases = [(["a", "a-1@0"], 2, 2, "a", "a-1@0", both), (["a-1@0", "a"], 2, 2, "a", "a-1@0", both),

@@ -91,7 +91,7 @@ def test_a_source_that_changes_every_night_keeps_every_id_once(tiny_model, tmp_p
 def test_a_rows_hash_is_the_same_in_any_batch():
     """The id map compares a row's hash from one night with the next: it must not depend on the other rows of its
     batch (their widths, their nulls, a column that only they set)."""
-    from launcher.ledger.rowhash import row_hashes
+    from launcher.ids.rowhash import row_hashes
 
     long = "x" * 300  # past the bytes hashed word by word
     rows = [
@@ -115,7 +115,7 @@ def test_a_rows_hash_is_the_same_in_any_batch():
 def test_duplicate_hashes_are_found_across_buckets_with_the_run_sorted(tmp_path):
     import numpy as np
 
-    from launcher.ledger.idruns import Spill, open_runs, seen
+    from launcher.ids.idruns import Spill, open_runs, seen
 
     rng = np.random.default_rng(1)
     values = rng.integers(0, 2**63, 50_000, dtype=np.uint64) * np.uint64(2)  # 16 buckets by the top bits
@@ -144,8 +144,8 @@ class _Nights:
 
     def __init__(self, tmp_path, monkeypatch, path, *overrides: str, out: str | None = None):
         from launcher.config import load_config
-        from launcher.ledger import prompts
         from launcher.ledger.store import Store
+        from launcher.sources import prompts
 
         job = [f"dataset.path={path}", "dataset.id_column=uid", "run.shard_size=4", *overrides]
         self.cfg, self.states, self.reads, self.sizes = load_config("tiny", job), {}, [], None
@@ -161,8 +161,8 @@ class _Nights:
         monkeypatch.setattr(prompts, "file_batches", spy)
 
     def plan(self):
-        from launcher.ledger.plan import make_plan
-        from launcher.ledger.plan_ids import commit_ids
+        from launcher.plan.plan import make_plan
+        from launcher.plan.plan_ids import commit_ids
 
         self.reads = []  # this plan's reads, kept when it refuses
         plan, reads = make_plan(self.cfg, self.states, self.sizes, self.store), self.reads
@@ -174,7 +174,7 @@ class _Nights:
         return plan, reads
 
     def rows(self, plan, shard: int) -> list[tuple[str, str]]:
-        from launcher.ledger.plan import PlanFile, write_plan_file
+        from launcher.plan.plan import PlanFile, write_plan_file
 
         self.reads = []  # pass 2's reads
         write_plan_file(self.store, "plans/t.arrow", self.cfg, plan)
@@ -221,7 +221,7 @@ def test_an_id_map_on_an_object_store_plans_as_on_disk_and_fetches_its_hash_runs
     """The id map of an output folder on S3: a rerun plans what the same folder on disk plans (an edit in a done
     shard caught as there), and fetches the map's hash runs once each, into one local folder."""
     from launcher.errors import ConfigError
-    from launcher.ledger import idmap
+    from launcher.ids import idmap
 
     fetched = []
     real = idmap.Index._open
@@ -252,11 +252,11 @@ def test_an_id_map_on_an_object_store_plans_as_on_disk_and_fetches_its_hash_runs
 
 
 def test_pass_2_hands_each_shard_over_once_its_last_row_is_read(tmp_path, monkeypatch):
-    """launcher/ledger/idpass2.py: a selected shard's rows are handed to the plan file as soon as the batch holding
+    """launcher/ids/idpass2.py: a selected shard's rows are handed to the plan file as soon as the batch holding
     its last row was read (a batch is held only until its shard is whole), in the order the maps foretold; a
     shard whose ids all left the source comes first, with no rows."""
-    from launcher.ledger import prompts, prompts_fast
-    from launcher.ledger.plan_ids import id_tables
+    from launcher.plan.plan_ids import id_tables
+    from launcher.sources import prompts, prompts_fast
 
     monkeypatch.setattr(prompts_fast, "_BLOCK", 4 * 54)  # JSON lines of 54 bytes: batches end where shards 0, 1 do
     src = tmp_path / "a.jsonl"
@@ -285,7 +285,7 @@ def test_pass_2_hands_each_shard_over_once_its_last_row_is_read(tmp_path, monkey
 
 @pytest.mark.parametrize("edit", ["prompt", "id"])
 def test_a_source_edited_between_the_two_passes_is_refused(edit, tmp_path, monkeypatch):
-    """launcher/ledger/idpass2.py: pass 2 gathers the rows pass 1 mapped, and checks them (their ids and row
+    """launcher/ids/idpass2.py: pass 2 gathers the rows pass 1 mapped, and checks them (their ids and row
     hashes): a row edited in between (its prompt, or its id, at the same length) stops the run with one line."""
     from launcher.errors import ConfigError
 
@@ -418,7 +418,7 @@ def test_a_bad_row_in_the_appended_part_is_named_by_its_line(tmp_path, monkeypat
 
 def test_a_csv_that_grew_is_read_from_its_old_end_under_its_header(tmp_path, monkeypatch):
     from launcher.errors import ConfigError
-    from launcher.ledger import prompts_exact
+    from launcher.sources import prompts_exact
 
     src = tmp_path / "a.csv"
     src.write_text('uid,prompt\np0,"a cat, asleep"\np1,a dog\np2,a tree\np3,a sky\np4,a boat\n')  # lines 1-6
@@ -462,14 +462,14 @@ def test_a_grown_source_with_kept_columns_is_read_whole(tmp_path, monkeypatch):
     plan, read = nights.plan()
     assert read == [[0, 11]]
     nights.rows(plan, 3)
-    from launcher.ledger.plan import PlanFile
+    from launcher.plan.plan import PlanFile
 
     assert [r["city"] for r in PlanFile(nights.store, "plans/t.arrow").shard(3).rows] == ["Osaka"]
 
 
 def test_a_file_written_to_while_it_is_read_is_read_whole_next_time(tmp_path, monkeypatch):
     """Its old end is not known (the plan may have read past the size it found), so it is not read from there."""
-    from launcher.ledger import prompts
+    from launcher.sources import prompts
 
     src = tmp_path / "a.jsonl"
     write(src, ROWS)
@@ -491,8 +491,8 @@ def test_a_file_written_to_while_it_is_read_is_read_whole_next_time(tmp_path, mo
 def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path):
     """Pass 2 reads a map's shard column, then only the row groups (one per planned batch) holding the wanted
     shards: a map of four row groups, wanted shards in the second and the fourth, gives exactly their rows."""
-    from launcher.ledger import idmap
-    from launcher.ledger.idpass2 import _map
+    from launcher.ids import idmap
+    from launcher.ids.idpass2 import _map
     from launcher.ledger.store import Store
 
     (tmp_path / "sources").mkdir()
@@ -636,7 +636,7 @@ def test_the_id_plan_refuses_a_bad_source_at_planning_with_one_line_naming_it(tm
     """The plan with ids checks what the plan by row number checks, each in one line that names the source: a
     limit of no rows, a sweep key that a column also sets, a column the model's pipeline would not see (the first
     id that sets it, past the first shard), a source with no rows, one whose every row was set aside."""
-    from launcher.ledger.prompts import SizeRule
+    from launcher.sources.prompts import SizeRule
 
     assert _refusal(tmp_path / "1", monkeypatch, ROWS, "dataset.limit=0") == (
         "dataset.limit=0 selects no prompts; use 1 or more, or null for all rows"
@@ -732,10 +732,10 @@ def test_a_row_moved_to_another_file_keeps_its_shard_and_its_edit_is_caught_ther
 
 
 def test_past_max_runs_the_hash_runs_are_merged_into_one_that_still_knows_every_id(tmp_path, monkeypatch):
-    """launcher/ledger/idruns.py: each plan that reads new rows adds a run of their hashes; past MAX_RUNS a plan
+    """launcher/ids/idruns.py: each plan that reads new rows adds a run of their hashes; past MAX_RUNS a plan
     merges them into one, and an id seen in any earlier run is still a duplicate, not a new row."""
     from launcher.errors import ConfigError
-    from launcher.ledger import idmap, idruns
+    from launcher.ids import idmap, idruns
 
     monkeypatch.setattr(idruns, "MAX_RUNS", 2)
     src = tmp_path / "a.jsonl"

@@ -110,8 +110,8 @@ def test_the_space_estimate_counts_the_copies_written(overrides, copies):
 
 
 def planned(path, *overrides):
-    """Every planned shard's rows (launcher/ledger/plan.py's pass over the source), as one table."""
-    from launcher.ledger.plan import shard_tables, source
+    """Every planned shard's rows (launcher/plan/plan.py's pass over the source), as one table."""
+    from launcher.plan.plan import shard_tables, source
 
     cfg = load_config("tiny", [f"dataset.path={path}", "run.shard_size=2", *overrides])
     return pa.concat_tables([t for _, t, _ in shard_tables(source(cfg), 2, None)])
@@ -141,7 +141,7 @@ def test_kept_values_stay_with_their_rows_past_read_chunks_across_files_and_in_e
     import datasets
 
     from launcher.errors import ConfigError
-    from launcher.ledger import keep, prompts_fast
+    from launcher.sources import keep, prompts_fast
 
     monkeypatch.setattr(keep, "_READ_ROWS", 4)
     monkeypatch.setattr(prompts_fast, "_BLOCK", 100)  # the prompt pass reads JSON lines ~100 bytes at a time
@@ -212,7 +212,7 @@ def test_kept_values_stay_with_their_rows_past_read_chunks_across_files_and_in_e
 
 
 def test_a_changed_kept_value_changes_the_shard_fingerprint_and_none_kept_changes_nothing(tmp_path):
-    from launcher.ledger.shards import prompts_fingerprint
+    from launcher.plan.shards import prompts_fingerprint
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"prompt": "p", "cat": "x"}\n')
@@ -255,8 +255,8 @@ def test_a_kept_column_that_clashes_or_is_missing_is_refused_at_planning(
 
 
 def test_every_column_the_writer_makes_is_reserved():
-    from launcher.ledger.keep import RESERVED
-    from launcher.ledger.prompts import SCHEMA
+    from launcher.sources.keep import RESERVED
+    from launcher.sources.prompts import SCHEMA
     from launcher.worker.writer import QUALITY_COLUMNS, schema_of
 
     sample = {"prompt_id": "p", "variant": 0, "true_cfg_scale": 1.0, "lora_scales": [1.0], "reference": []}

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from launcher.ledger.prompts import SizeRule, Source, read_batches
-from launcher.ledger.reference_reads import load_references, read_lineage
-from launcher.ledger.shards import prompts_fingerprint
+from launcher.plan.shards import prompts_fingerprint
+from launcher.sources.prompts import SizeRule, Source, read_batches
+from launcher.sources.reference_reads import load_references, read_lineage
 
 RULE = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)
 

@@ -79,7 +79,7 @@ def test_max_attempts_defaults_to_3_and_a_different_error_starts_the_count_again
 
 # -- a worker hands each batch to the writer as it is made
 def test_the_runner_holds_at_most_two_batches_of_images(tmp_path, monkeypatch):
-    from launcher.ledger.shards import Shard
+    from launcher.plan.shards import Shard
     from launcher.worker import runner
     from launcher.worker.execution import CompileStats
 
@@ -340,7 +340,7 @@ def test_reference_fit_crop_pad_stretch_on_a_96x32_reference():
 
 
 def test_reference_fit_is_fingerprinted_for_edit_only_and_only_off_its_default():
-    from launcher.ledger.shards import settings
+    from launcher.plan.shards import settings
 
     def fit_of(*overrides):
         cfg = load_config("tiny", list(overrides))

@@ -10,7 +10,7 @@ from conftest import bare_flux2, contract_seed, launch, pixels, read_rows
 
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.ledger.shards import check_sample_ids, settings, settings_fingerprint
+from launcher.plan.shards import check_sample_ids, settings, settings_fingerprint
 
 IDS = ["cat", "dog", "a-5", "tree", "sky"]  # 3 shards of 2 prompts, the last one padded
 ROW_SEEDS = {"dog": 11, "tree": 2**63 - 1}  # the rows' own `seed` column; the others have none

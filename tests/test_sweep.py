@@ -15,7 +15,7 @@ from conftest import bare_flux2, launch, pixels, read_rows
 from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.host.checks import check_settings
-from launcher.ledger.shards import settings, settings_fingerprint
+from launcher.plan.shards import settings, settings_fingerprint
 
 PROMPTS = [("cat", None), ("dog", None), ("sky", 7)]  # (id, the row's own seed); 2 shards of 2 prompts
 N = 2
@@ -192,7 +192,7 @@ def test_the_sweep_joins_the_fingerprint_only_when_set():
 
 
 def test_sample_ids_of_a_sweep_may_not_repeat_a_prompt_id():
-    from launcher.ledger.shards import check_sample_ids, sample_ids
+    from launcher.plan.shards import check_sample_ids, sample_ids
 
     assert sample_ids("a", 2, 2) == ["a-0@0", "a-0@1", "a-1@0", "a-1@1"]
     check_sample_ids(["a", "a@2", "b@x"], 1, variants=2)  # a@2 is no sample of a with V=2

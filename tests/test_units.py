@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from jobs.text_to_image import make_batches
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.ledger.shards import (
+from launcher.plan.shards import (
     parse_selection,
     preference,
     row_seed,
@@ -55,9 +55,9 @@ def test_seeds_are_the_contracts_hash_of_seed_and_id():
 
 
 def test_shards_are_cut_on_stable_row_boundaries(tmp_path):
-    from launcher.ledger.plan import shard_tables
-    from launcher.ledger.prompts import Source
-    from launcher.ledger.shards import prompts_fingerprint
+    from launcher.plan.plan import shard_tables
+    from launcher.plan.shards import prompts_fingerprint
+    from launcher.sources.prompts import Source
 
     (tmp_path / "a.txt").write_text("".join(f"p{i}\n" for i in range(7)))
     (tmp_path / "b.txt").write_text("".join(f"p{i}\n" for i in range(10)))

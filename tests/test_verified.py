@@ -182,7 +182,7 @@ def test_states_from_before_files_were_recorded_are_checked_for_what_they_record
 
 def test_the_summary_says_which_damaged_shards_were_regenerated_and_a_damaged_one_left_is_not_done(tmp_path):
     from launcher.host.summary import summarize
-    from launcher.ledger.plan import Plan, ShardPlan
+    from launcher.plan.plan import Plan, ShardPlan
 
     store = Store(tmp_path)
     old = {"status": "done", "rows": 2, "run_id": "old", "attempt": "old/g00000", "prompts_fingerprint": "fp"}

@@ -92,7 +92,7 @@ def _before(row: dict, config: dict) -> tuple:
         return ()
     if row.get("reference_image"):
         return (row["reference_image"]["bytes"],)
-    from launcher.ledger.reference_reads import read_lineage
+    from launcher.sources.reference_reads import read_lineage
 
     return (read_lineage(row["reference"][0]["path"], config["dataset"].get("image_column", "image")),)
 

@@ -16,10 +16,10 @@ import sys
 
 from launcher.errors import ConfigError, error_line
 from launcher.ledger.runs import latest_record
-from launcher.ledger.stale import KEPT_IDS, kept_stale
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
 from launcher.ledger.verify import hash_damage, listed_damage
+from launcher.plan.stale import KEPT_IDS, kept_stale
 
 STATUSES = ("done", "failed", "pending", "damaged", "kept-stale")
 

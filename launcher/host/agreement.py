@@ -32,7 +32,7 @@ SHOWN = 8  # differing keys named in the line
 def job_of(cfg) -> dict:
     """What must be the same on every host, flat (`generate.seed`, `model.weights.transformer`, `versions.torch`)."""
     from launcher.ledger.runs import versions
-    from launcher.ledger.shards import settings
+    from launcher.plan.shards import settings
 
     flat: dict = {}
 

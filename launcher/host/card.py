@@ -18,9 +18,9 @@ import yaml
 
 from launcher.errors import ConfigError, error_line
 from launcher.host.card_facts import model_name, runs_section, settings_lines, source_name, weights_lines
-from launcher.ledger.stale import KEPT_IDS, kept_stale
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
+from launcher.plan.stale import KEPT_IDS, kept_stale
 
 
 def open_run(out: str | Path | Store) -> Store:

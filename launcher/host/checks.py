@@ -58,7 +58,7 @@ def check_settings(cfg) -> None:
         hold = cfg.testing[key]
         if hold and not os.path.isdir(os.path.dirname(os.path.abspath(hold))):
             raise ConfigError(f"testing.{key}={hold}: its folder does not exist; name a file in an existing folder")
-    from launcher.ledger.bounds import config_problems
+    from launcher.sources.bounds import config_problems
 
     if problems := config_problems(g):  # what would exhaust a host or make nothing but black images
         raise ConfigError(problems[0])
@@ -78,7 +78,7 @@ def check_settings(cfg) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     check_output_settings(cfg.output)
-    from launcher.ledger.sweep import check_sweep
+    from launcher.plan.sweep import check_sweep
 
     check_sweep(g, cfg.model.get("loras") or [])
     check_model_values(cfg)
@@ -90,8 +90,8 @@ def check_model_values(cfg) -> None:
 
     from omegaconf import OmegaConf
 
-    from launcher.ledger.bounds import LORA_SCALE, call_kwargs_problem
-    from launcher.ledger.sweep import raw_sweep
+    from launcher.plan.sweep import raw_sweep
+    from launcher.sources.bounds import LORA_SCALE, call_kwargs_problem
 
     kwargs = cfg.model.get("call_kwargs") or {}
     if problem := call_kwargs_problem(

@@ -18,7 +18,7 @@ SPEEDS_FILE = "launcher/models/speeds.py"
 
 
 def cost_lines(pf) -> list[str]:
-    from launcher.ledger.sweep import n_variants
+    from launcher.plan.sweep import n_variants
     from launcher.workers import resolve_workers
 
     cfg, plan = pf.cfg, pf.plan

@@ -147,12 +147,13 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.host.metrics import metrics_file
     from launcher.host.publish_run import start_publisher
     from launcher.host.space import stopped_by_space
-    from launcher.ledger import rejected, runs
+    from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
-    from launcher.ledger.plan import make_plan, tidy
-    from launcher.ledger.plan_ids import commit_ids
-    from launcher.ledger.stale import record_kept
     from launcher.ledger.states import Ledger, clean_tmp
+    from launcher.plan.plan import make_plan, tidy
+    from launcher.plan.plan_ids import commit_ids
+    from launcher.plan.stale import record_kept
+    from launcher.sources import rejected
     from launcher.workers import resolve_workers
 
     cfg = pf.cfg
@@ -173,7 +174,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
             ledger = Ledger(store)
             plan = make_plan(cfg, ledger.refresh(), sizes, store)
         runs.check_run_json(store, cfg)
-        commit_ids(store, plan)  # with dataset.id_column: the shards' ids, fixed now (launcher/ledger/idmap.py)
+        commit_ids(store, plan)  # with dataset.id_column: the shards' ids, fixed now (launcher/ids/idmap.py)
         rerun = rerun_command(cfg, conf, overrides)
         full = best_effort("run.json", runs.write_run_json, store, cfg, len(plan.shards))
         full |= best_effort("the ledger's index", ledger.save_index)
@@ -237,8 +238,8 @@ def generate(
 ):
     """Write the plan file, run the workers with a progress bar, remove the plan; (exit code, out of space)."""
     from launcher.host.terminal import WorkerLogs
-    from launcher.ledger.plan import plan_rel, write_plan_file
-    from launcher.ledger.sweep import n_variants
+    from launcher.plan.plan import plan_rel, write_plan_file
+    from launcher.plan.sweep import n_variants
 
     samples = plan.prompts(plan.selected) * cfg.generate.images_per_prompt * n_variants(cfg.generate)
     logger.info("generating %d shards (%d samples) into %s", len(plan.selected), samples, store)
@@ -342,7 +343,7 @@ def dry_run_lines(pf) -> list[str]:
     cfg, plan = pf.cfg, pf.plan
     lines = [f"# device: {pf.device} (device={cfg.device}), chip: {pf.mesh.chip.name}"]
     lines += [pf.mesh.line(), *(f"# mesh: {w}" for w in pf.mesh.why), *pf.notes]
-    from launcher.ledger.sweep import n_variants
+    from launcher.plan.sweep import n_variants
 
     todo = plan.prompts(plan.selected)
     images = todo * cfg.generate.images_per_prompt * n_variants(cfg.generate)  # each prompt's samples, every variant

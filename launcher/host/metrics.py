@@ -88,7 +88,7 @@ def metrics_file(cfg, store, plan, run_id: str, start: float) -> MetricsFile | N
     """output.metrics's file for this run (None where it is not set), written once now: the run has begun."""
     if not cfg.output.metrics:
         return None
-    from launcher.ledger.sweep import n_variants
+    from launcher.plan.sweep import n_variants
 
     planned = plan.prompts(plan.selected) * cfg.generate.images_per_prompt * n_variants(cfg.generate)
     metrics = MetricsFile(cfg.output.metrics, str(store), run_id, planned, start)

@@ -133,9 +133,9 @@ def size_multiple(model: Model) -> int | None:
 
 
 def size_rule(cfg, model: Model):
-    """The checks of per-row sizes (launcher/ledger/prompts.py), from the model's configs."""
-    from launcher.ledger.prompts import SizeRule
-    from launcher.ledger.sweep import sweep_of, true_cfg_scales
+    """The checks of per-row sizes (launcher/sources/prompts.py), from the model's configs."""
+    from launcher.plan.sweep import sweep_of, true_cfg_scales
+    from launcher.sources.prompts import SizeRule
 
     fam = model.family or GENERIC
     # A row that sets one side is checked against the largest value the other side takes (swept or not).

@@ -29,10 +29,10 @@ class Preflight:
     device: str = ""
     model: object = None  # model_checks.Model
     mesh: object = None  # mesh_plan.MeshPlan
-    sizes: object = None  # ledger.prompts.SizeRule
+    sizes: object = None  # sources.prompts.SizeRule
     store: object = None  # ledger.store.Store
     ledger: object = None  # ledger.states.Ledger
-    plan: object = None  # ledger.plan.Plan
+    plan: object = None  # plan.plan.Plan
     notes: list[str] = field(default_factory=list)  # what a dry run says beyond the mesh line
 
     @property
@@ -138,8 +138,8 @@ def output(pf: Preflight) -> None:
     """The output folder: writable, meshgen's own (or empty), made with these settings."""
     from launcher.host.checks import check_output
     from launcher.ledger import runs
-    from launcher.ledger.reach import check_output_outside_source
     from launcher.ledger.store import Store
+    from launcher.sources.reach import check_output_outside_source
 
     check_output_outside_source(str(pf.cfg.dataset.path), str(pf.cfg.output.dir))  # before anything is written
     check_output(pf.cfg)
@@ -151,8 +151,8 @@ def output(pf: Preflight) -> None:
 
 def prompts(pf: Preflight) -> None:
     """Every row of the prompt source (ids, sizes, per-row values), the selection, and what is done."""
-    from launcher.ledger.plan import make_plan
     from launcher.ledger.states import Ledger
+    from launcher.plan.plan import make_plan
 
     pf.ledger = Ledger(pf.store)
     states = pf.ledger.refresh()

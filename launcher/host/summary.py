@@ -20,11 +20,11 @@ from tqdm import tqdm
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.host.metrics import numbers
 from launcher.ledger.claims import held_elsewhere
-from launcher.ledger.plan import Plan
-from launcher.ledger.rejected import rel as rejected_rel
 from launcher.ledger.runs import versions
 from launcher.ledger.states import Ledger, state_token
 from launcher.ledger.store import Store
+from launcher.plan.plan import Plan
+from launcher.sources.rejected import rel as rejected_rel
 
 logger = logging.getLogger(__name__)
 

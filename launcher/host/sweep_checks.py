@@ -2,7 +2,7 @@
 weights), at preflight (exit 2).
 
 The checks that need no model (keys, value types and bounds, repeats, LoRA indices) are in
-launcher/ledger/sweep.py and run with the other settings, in a dry run too.
+launcher/plan/sweep.py and run with the other settings, in a dry run too.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from launcher.errors import ConfigError
-from launcher.ledger.sweep import lora_index, sweep_of
+from launcher.plan.sweep import lora_index, sweep_of
 
 # Sweeping a LoRA's scale needs the weights re-fused per scale (or each scale's batches grouped and fused once);
 # the batches carry their scales and the job calls its `set_lora_scales` hook (launcher/worker/staged.py), but no fusing

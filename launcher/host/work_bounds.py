@@ -20,7 +20,7 @@ FLOAT_BYTES = 4  # a pipeline's numpy output is float32 per channel
 
 def largest_size(g) -> tuple[int, int]:
     """(height, width) of the largest images the settings ask for (a sweep may ask for larger than the config)."""
-    from launcher.ledger.sweep import sweep_of
+    from launcher.plan.sweep import sweep_of
 
     sweep = sweep_of(g)
     return max([g.height, *sweep.get("height", [])]), max([g.width, *sweep.get("width", [])])
@@ -29,7 +29,7 @@ def largest_size(g) -> tuple[int, int]:
 def check_work(cfg, procs_per_host: int, host_bytes: int | None = None) -> None:
     """Refuse a shard whose files, or a call whose images, exceed their bounds (ConfigError naming the numbers)."""
     from launcher.host.space import estimate_bytes
-    from launcher.ledger.sweep import n_variants
+    from launcher.plan.sweep import n_variants
 
     g = cfg.generate
     h, w = largest_size(g)

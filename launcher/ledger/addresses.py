@@ -9,7 +9,7 @@ with a line that shows the address with the credentials masked and says where cr
 environment (the `AWS_*` variables for S3, application default credentials for GCS, `HF_TOKEN` for the hub).
 
 A Hub address (`hf://`) is taken where something reads it or pushes to it: `dataset.path` (a prompt source,
-read-only: launcher/ledger/hub_source.py) and `output.publish`. Anywhere else it is refused here, in one line:
+read-only: launcher/sources/hub_source.py) and `output.publish`. Anywhere else it is refused here, in one line:
 pyarrow would open it through fsspec and an output folder on the Hub would half-work (no atomic renames, no
 conditional creates, a commit per file).
 """

@@ -121,7 +121,7 @@ def forget_dead(store: Store) -> None:
     """Delete the claims of runs that hold no lock: a run killed after writing a shard's state and before releasing
     its claim leaves one on a done shard, which no later run claims again, so nobody else would delete it. Each claim
     is judged by its own run's lock, so a live run's claims, those created since included, are kept. Only by a run
-    that still holds its own lock (launcher/ledger/plan.py's tidy): one taken over judges nobody."""
+    that still holds its own lock (launcher/plan/plan.py's tidy): one taken over judges nobody."""
     import pyarrow.fs as pafs
 
     # Recursive: pyarrow's GCS listing names no folder of a non-recursive one, so the claims' own paths tell them.

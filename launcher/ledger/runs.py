@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from launcher.errors import ConfigError
-from launcher.ledger.shards import fingerprint_of, settings, settings_diff
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, INDEX, STATE_DIR, WDS_DIR
 from launcher.ledger.store import TMP_MARK, Store
+from launcher.plan.shards import fingerprint_of, settings, settings_diff
 
 RUNS_DIR = "runs"
 

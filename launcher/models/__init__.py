@@ -32,7 +32,7 @@ def _last_tokenizer_ids(pipe, prompts: list[str]) -> list[list[int]] | None:
     return None if tokenizer is None else tokenizer(prompts)["input_ids"]
 
 
-# The prompt source's per-row columns (launcher/ledger/prompts.py's OVERRIDE_COLUMNS), each a pipeline argument:
+# The prompt source's per-row columns (launcher/sources/prompts.py's OVERRIDE_COLUMNS), each a pipeline argument:
 # `seed` is the generator's, the others are the arguments of the same names.
 ROW_FIELDS = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
 

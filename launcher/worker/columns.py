@@ -1,9 +1,9 @@
-"""dataset.keep_columns on the worker's side: each sample gets its prompt row's kept values (launcher/ledger/keep.py
+"""dataset.keep_columns on the worker's side: each sample gets its prompt row's kept values (launcher/sources/keep.py
 read them; the plan file carried them with their Arrow types), which the writer adds as columns."""
 
 from __future__ import annotations
 
-from launcher.ledger.shards import Shard
+from launcher.plan.shards import Shard
 from launcher.worker.writer import KEPT_FIELDS
 
 

@@ -22,11 +22,11 @@ from jobs import job_of
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED
 from launcher.ledger import states as ledger
 from launcher.ledger.claims import Claims
-from launcher.ledger.plan import PlanFile, plan_rel
-from launcher.ledger.shards import Shard, preference, sample_ids
 from launcher.ledger.store import Store
-from launcher.ledger.sweep import n_variants, raw_sweep
 from launcher.logs import STAGE_EVENTS
+from launcher.plan.plan import PlanFile, plan_rel
+from launcher.plan.shards import Shard, preference, sample_ids
+from launcher.plan.sweep import n_variants, raw_sweep
 from launcher.testing import hold_until
 from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest

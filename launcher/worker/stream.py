@@ -24,9 +24,9 @@ import tempfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from launcher.ledger.shards import file_stem
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
 from launcher.ledger.store import Store, _commit, tmp_name
+from launcher.plan.shards import file_stem
 from launcher.worker.encode import EXTENSIONS
 from launcher.worker.writer import image_path, schema_of
 

@@ -11,9 +11,9 @@ import tarfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from launcher.ledger.shards import file_stem
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
 from launcher.ledger.store import Store
+from launcher.plan.shards import file_stem
 from launcher.worker.encode import EXTENSIONS
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema

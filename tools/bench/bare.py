@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers import DiffusionPipeline
 
     from launcher.config import load_config
-    from launcher.ledger.prompts import read_prompts
-    from launcher.ledger.shards import image_seeds
+    from launcher.plan.shards import image_seeds
+    from launcher.sources.prompts import read_prompts
     from launcher.worker.dist import resolve_device
     from launcher.worker.pipeline import DTYPES
 

@@ -50,9 +50,9 @@ def write_source(path: Path, n: int) -> None:
 def fill_ledger(cfg, done_shards: int | None = None) -> int:
     """Mark every shard of the job done (or the first `done_shards`), as finished runs leave them."""
     from launcher.ledger import runs
-    from launcher.ledger.plan import make_plan
     from launcher.ledger.states import state_rel
     from launcher.ledger.store import Store
+    from launcher.plan.plan import make_plan
 
     store, plan = Store(cfg.output.dir), make_plan(cfg, {})
     runs.write_run_json(store, cfg, len(plan.shards))

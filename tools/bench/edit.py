@@ -76,8 +76,8 @@ def write_source(path: Path, rows: int, size: int, distinct: bool) -> int:
 _PLAN = """
 import json, sys, time
 from launcher.config import load_config
-from launcher.ledger.plan import make_plan, write_plan_file
-from launcher.ledger.prompts import SizeRule
+from launcher.plan.plan import make_plan, write_plan_file
+from launcher.sources.prompts import SizeRule
 from launcher.ledger.store import Store
 src, out, job = sys.argv[1:4]
 cfg = load_config("tiny", [f"dataset.path={src}", f"output.dir={out}", f"job={job}", "dataset.prompt_column=prompt"])
@@ -121,9 +121,9 @@ def generation(rows: int, size: int, folder: Path) -> dict:
 
     from jobs import edit as job
     from launcher.config import load_config
-    from launcher.ledger.prompts import Source, read_batches
-    from launcher.ledger.shards import image_seeds
     from launcher.models.flux2 import build_tiny
+    from launcher.plan.shards import image_seeds
+    from launcher.sources.prompts import Source, read_batches
     from launcher.worker.staged import shard_steps
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
-"""Checks that one row can fail, beyond its values' bounds (launcher/ledger/bounds.py): its id must make a file
+"""Checks that one row can fail, beyond its values' bounds (launcher/sources/bounds.py): its id must make a file
 name on any filesystem the output may live on, and its line must be short enough to be a row at all.
 
-Both readers use them (the fast one vectorised, launcher/ledger/prompts_fast.py; the exact one row by row, which
+Both readers use them (the fast one vectorised, launcher/sources/prompts_fast.py; the exact one row by row, which
 words the error), so a row that would fail at write is refused, or set aside, at planning.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 
-from launcher.ledger.bounds import TEXT_BYTES
+from launcher.sources.bounds import TEXT_BYTES
 
-# An id names its sample's files (`<id>[-k][@v].<ext>`, launcher/ledger/shards.py file_stem): 200 bytes leave room
+# An id names its sample's files (`<id>[-k][@v].<ext>`, launcher/plan/shards.py file_stem): 200 bytes leave room
 # for the sample suffix and the extension within the 255 bytes a file name may take on ext4, XFS, NTFS, or an
 # object key's last part that a local copy of it becomes.
 ID_BYTES = 200

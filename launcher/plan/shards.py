@@ -86,7 +86,7 @@ UNHASHED = frozenset({"ref_loc"})  # where a reference is read from (its content
 def prompts_fingerprint(table) -> str:
     """Hash of what a shard's rows contribute to its images: ids, prompts and per-row overrides.
 
-    Computed over the Arrow columns (launcher/ledger/prompts.py SCHEMA), buffer by buffer, on zero-copy slices:
+    Computed over the Arrow columns (launcher/sources/prompts.py SCHEMA), buffer by buffer, on zero-copy slices:
     hashing the rows one by one in Python costs ~3 us each, half a minute for a 10M-prompt source, and even a
     pyarrow compute call per column costs ~50 us, which 40k shards feel. A column that is empty throughout is
     left out, so a source with an all-empty column hashes like one without it.
@@ -111,7 +111,7 @@ def prompts_fingerprint(table) -> str:
         elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
             values = col.fill_null(0) if nulls else col
             h.update(np.asarray(values, dtype="<i8" if pa.types.is_integer(col.type) else "<f8").tobytes())
-        else:  # a kept source column of any other type (launcher/ledger/keep.py): its values, as JSON
+        else:  # a kept source column of any other type (launcher/sources/keep.py): its values, as JSON
             h.update(str(col.type).encode() + json.dumps(col.to_pylist(), default=str, sort_keys=True).encode())
     return FINGERPRINT_PREFIX + h.hexdigest()[:16]
 
@@ -149,7 +149,7 @@ def settings(cfg) -> dict:
         if group == "model":  # by content: new weights at the same path are another model
             values["weights"] = _weights(cfg)
         if group == "generate":  # its values as the pipeline takes them; {} and null are no sweep
-            from launcher.ledger.sweep import sweep_of
+            from launcher.plan.sweep import sweep_of
 
             values["sweep"] = sweep_of(cfg.generate) or None
         values = {k: v for k, v in values.items() if LATER_DEFAULTS.get((group, k), ()) != v}

@@ -19,9 +19,9 @@ import fnmatch
 import os
 
 from launcher.errors import ConfigError
-from launcher.ledger.globs import has_magic
+from launcher.sources.globs import has_magic
 
-PROMPT_SUFFIXES = (".txt", ".jsonl", ".csv", ".parquet")  # launcher/ledger/prompts.py's FORMATS
+PROMPT_SUFFIXES = (".txt", ".jsonl", ".csv", ".parquet")  # launcher/sources/prompts.py's FORMATS
 
 
 def check_output_outside_source(source: str, output: str) -> None:

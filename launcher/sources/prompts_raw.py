@@ -1,7 +1,7 @@
 """The exact reader's first step: each row of a prompt file as the file holds it, with where it came from.
 
 One generator per format, row by row, so that a bad line is named exactly and nothing holds the whole file. A text
-file that only grew is read from `offset`, its old end (a line end; launcher/ledger/idplan.py): its lines are
+file that only grew is read from `offset`, its old end (a line end; launcher/ids/idplan.py): its lines are
 numbered on from those before it, and a CSV's rows take the file's header.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pyarrow.fs as pafs
 
 from launcher.errors import ConfigError
-from launcher.ledger.prompts import OVERRIDE_COLUMNS, _suffix, filesystem
-from launcher.ledger.row_checks import LINE_BYTES, Bad, line_problem
+from launcher.sources.prompts import OVERRIDE_COLUMNS, _suffix, filesystem
+from launcher.sources.row_checks import LINE_BYTES, Bad, line_problem
 
 
 def raw_rows(f: str, col: str, id_col: str | None, offset: int = 0, role: str = "prompt") -> Iterator[tuple[str, dict]]:

@@ -84,7 +84,7 @@ def once_each(found: list[str], infos: dict[str, pafs.FileInfo], fs: pafs.FileSy
 def _etag(scheme: str, path: str) -> str | None:
     """The object's ETag (one HEAD request), a Hub file's content id; None where the store's client is not there."""
     if scheme == "hf://":
-        from launcher.ledger.hub_source import content_id
+        from launcher.sources.hub_source import content_id
 
         return content_id(path)
     bucket, _, key = path.partition("/")

@@ -2,9 +2,9 @@
 
 Every error names the file and, where there is one, the line (or Parquet row), so a bad row in a million-line
 source is found in seconds, before any chip is reserved. Two readers give the same rows:
-- the fast one (launcher/ledger/prompts_fast.py): pyarrow's streaming JSON/CSV/Parquet readers and vectorised
+- the fast one (launcher/sources/prompts_fast.py): pyarrow's streaming JSON/CSV/Parquet readers and vectorised
   checks, which a 10M-line source needs (a Python loop over rows costs ~10 us each);
-- the exact one (launcher/ledger/prompts_exact.py): row by row in Python. It runs where the fast one gives up
+- the exact one (launcher/sources/prompts_exact.py): row by row in Python. It runs where the fast one gives up
   (an odd file, a value it cannot judge), and it is what names the bad line: the fast one never words an error.
 Nothing holds the whole source: batches stream, and only ids are kept (to refuse duplicates).
 """
@@ -44,7 +44,7 @@ class Source:
     id_column: str | None = None
     sizes: SizeRule | None = None
     images_per_prompt: int = 1  # sample ids <prompt id>-<k> must not repeat another prompt's id
-    image_column: str | None = None  # job=edit: each row's references (launcher/ledger/references.py)
+    image_column: str | None = None  # job=edit: each row's references (launcher/sources/references.py)
     size_from_reference: bool = False
     # False for an earlier meshgen run as the source: its seed, size, steps, guidance and negative prompt columns
     # say how its images were made, not how to edit them, so they override nothing.
@@ -52,7 +52,7 @@ class Source:
     variants: int = 0  # with generate.sweep: V, and sample ids <base id>@<v> must not either
     bad_rows: str = "refuse"  # dataset.bad_rows: refuse (exit 2 naming the row) | skip (set it aside)
     late: tuple[tuple[int, str], ...] = ()  # skip: (row, why) found after the row was read (a duplicate id)
-    keep_columns: tuple[str, ...] | str = ()  # dataset.keep_columns: names, or "all" (launcher/ledger/keep.py)
+    keep_columns: tuple[str, ...] | str = ()  # dataset.keep_columns: names, or "all" (launcher/sources/keep.py)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class SizeRule:
     height: int  # the config's, for rows that set only one of the two
     width: int
     max_references: int = 0  # job=edit: references a row may give (the family's), checked at planning
-    # (column, why): per-row columns the family's pipeline would not see, refused at planning (launcher/ledger/plan.py)
+    # (column, why): per-row columns the family's pipeline would not see, refused at planning (launcher/plan/plan.py)
     ignored: tuple[tuple[str, str], ...] = ()
 
     def problem(self, h: int, w: int) -> str | None:
@@ -87,8 +87,8 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
     """The source's rows in order, as batches with SCHEMA; ids default to the row number across all files.
 
     With dataset.bad_rows=skip, a row that fails a check stays in its place with a `rejected` column saying why
-    (launcher/ledger/rejected.py): the plan sets it aside, and no later row moves to another shard."""
-    from launcher.ledger import rejected
+    (launcher/sources/rejected.py): the plan sets it aside, and no later row moves to another shard."""
+    from launcher.sources import rejected
 
     files, ids, skip, n = source_files(src.path), [], src.bad_rows == "skip", 0
     for _, _, b in file_batches(src, files):
@@ -105,7 +105,7 @@ def read_batches(src: Source) -> Iterator[pa.RecordBatch]:
         else:
             _check_unique(all_ids, src, files)
         if src.images_per_prompt > 1 or src.variants:
-            from launcher.ledger.shards import check_sample_ids
+            from launcher.plan.shards import check_sample_ids
 
             where, n = f"dataset {src.path}", src.images_per_prompt
             ok = (i.as_py() for c in ids for i in c if i.is_valid)
@@ -117,19 +117,19 @@ def file_batches(
 ) -> Iterator[tuple[str, int, pa.RecordBatch]]:
     """(file, the batch's first row number in the whole source, the batch): `files` read in order, their first row
     at `start`. Checks every row as read_batches does, but not the ids across rows (the caller's, by id or row).
-    `offset`: bytes of a single text file to pass over, its old end where it only grew (launcher/ledger/idplan.py);
+    `offset`: bytes of a single text file to pass over, its old end where it only grew (launcher/ids/idplan.py);
     not with references or kept columns, whose readers start at the top."""
-    from launcher.ledger import rejected
-    from launcher.ledger.prompts_fast import fast_batches
+    from launcher.sources import rejected
+    from launcher.sources.prompts_fast import fast_batches
 
     refs, keep, skip = None, src.row_settings, src.bad_rows == "skip"
     schema = SCHEMA.append(rejected.FIELD) if skip else SCHEMA
     if src.image_column:
-        from launcher.ledger.references import References
+        from launcher.sources.references import References
 
         refs = References(src, files)
-    if src.keep_columns:  # after the references: a second attacher, row for row (launcher/ledger/keep.py)
-        from launcher.ledger.keep import Kept
+    if src.keep_columns:  # after the references: a second attacher, row for row (launcher/sources/keep.py)
+        from launcher.sources.keep import Kept
 
         refs = _Both(refs, Kept(src, files))
 
@@ -210,7 +210,7 @@ def _batches(rows: Iterator[dict], skip: int = 0, schema: pa.Schema = SCHEMA) ->
 
 
 def _exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dict]:
-    from launcher.ledger.prompts_exact import exact_rows
+    from launcher.sources.prompts_exact import exact_rows
 
     return exact_rows(f, src, start, offset)
 
@@ -220,7 +220,7 @@ def _check_unique(ids: pa.ChunkedArray, src: Source, files: list[str]) -> None:
     overwrite each other's image). Vectorised; the exact reader then names the lines of the first clash."""
     import pyarrow.compute as pc
 
-    from launcher.ledger.shards import FILE_STEM_UNSAFE, file_stem
+    from launcher.plan.shards import FILE_STEM_UNSAFE, file_stem
 
     stems = pc.replace_substring_regex(ids, FILE_STEM_UNSAFE, "_")
     if pc.count_distinct(ids).as_py() == len(ids) and pc.count_distinct(stems).as_py() == len(ids):
@@ -245,8 +245,8 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem of a local path, a gs:// / s3:// URL or a Hub dataset (hf://), and the path within it."""
     if "://" in path:
         check_address(path, "dataset.path")
-        if path.startswith("hf://"):  # read-only, through huggingface_hub (launcher/ledger/hub_source.py)
-            from launcher.ledger.hub_source import hub_filesystem
+        if path.startswith("hf://"):  # read-only, through huggingface_hub (launcher/sources/hub_source.py)
+            from launcher.sources.hub_source import hub_filesystem
 
             return hub_filesystem(path)
         magic = [path.index(c) for c in "*?[" if c in path]
@@ -282,7 +282,7 @@ def unreadable(f: str, e: Exception) -> str:
     if "://" not in f:
         return f"dataset.path {f} cannot be read ({first}); check that it exists and that you may read it"
     if f.startswith("hf://"):
-        from launcher.ledger import hub_source
+        from launcher.sources import hub_source
 
         return hub_source.unreadable(f, first)
     return (
@@ -292,8 +292,8 @@ def unreadable(f: str, e: Exception) -> str:
 
 
 def _source_files(path: str) -> list[str]:
-    from launcher.ledger.globs import expand, has_magic
-    from launcher.ledger.hub_source import repo_files, whole_repo
+    from launcher.sources.globs import expand, has_magic
+    from launcher.sources.hub_source import repo_files, whole_repo
 
     if whole_repo(path):  # hf://datasets/ORG/NAME[@REV]: every data file of the repo, as `datasets` finds them
         return repo_files(path)
@@ -343,6 +343,6 @@ def _is_saved_dataset(f: str) -> bool:
 
 def _raw_rows(f: str, col: str, id_col: str | None) -> Iterator[tuple[str, dict]]:
     """(where, the row as the file holds it), row by row."""
-    from launcher.ledger.prompts_raw import raw_rows
+    from launcher.sources.prompts_raw import raw_rows
 
     return raw_rows(f, col, id_col)

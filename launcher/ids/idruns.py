@@ -1,6 +1,6 @@
 """Sorted runs of id hashes: which ids the id map has seen, and duplicate ids found with bounded memory.
 
-Every id the map ever gave a shard has its hash (launcher/ledger/rowhash.py) in one of the runs
+Every id the map ever gave a shard has its hash (launcher/ids/rowhash.py) in one of the runs
 (`sources/hashes-*.u64`, sorted unique little-endian uint64, read memory-mapped), so a rerun asks "is this id new?"
 with a binary search instead of reading the source's other files. New ids' hashes are spilled to disk in 16 buckets by
 their top bits while the source streams; each bucket is then sorted alone (1/16 of the hashes in memory at once),

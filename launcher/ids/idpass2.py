@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from launcher.errors import ConfigError
-from launcher.ledger import idmap
-from launcher.ledger.rowhash import id_hashes, row_hashes
+from launcher.ids import idmap
+from launcher.ids.rowhash import id_hashes, row_hashes
 
 
 def shard_order(index: idmap.Index, wanted: set[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
@@ -39,8 +39,8 @@ def shard_rows(
     src, index: idmap.Index, order: list[int], keys: dict, cut: dict[int, int]
 ) -> Iterator[tuple[int, pa.Table | None]]:
     """(shard, its rows in place order, `rejected` column dropped), in `order`; a shard in `cut` keeps that many."""
-    from launcher.ledger import rejected
-    from launcher.ledger.prompts import file_batches
+    from launcher.sources import rejected
+    from launcher.sources.prompts import file_batches
 
     wanted, parts, done = set(order), {s: [] for s in order}, 0
     values = pa.array(sorted(wanted), pa.int32())
@@ -95,7 +95,7 @@ def _whole(parts: list[pa.Table], cut: int | None) -> pa.Table | None:
 
 def _resume(src, entry: dict, row: int) -> tuple[int, int]:
     """(byte, row) to read a file from for its rows from `row` on: the last old end of a text file that grew
-    before it (launcher/ledger/idplan.py), or its top (always, with references or kept columns)."""
+    before it (launcher/ids/idplan.py), or its top (always, with references or kept columns)."""
     parts = [(o, r) for o, r in entry.get("parts", []) if r <= row and not (src.image_column or src.keep_columns)]
     return max(parts, key=lambda p: p[1], default=(0, 0))
 

@@ -7,10 +7,10 @@ With `dataset.id_column`, shards hold ids, not row positions. The output folder 
   and place in the shard, in file order. A file whose size and mtime are unchanged is not read again; a text
   file that only grew at its end (`grown`) is read from its old end, its old map copied and extended;
 - `shards-*.parquet`: per shard, its row count and the sum of its rows' hashes (its fingerprint,
-  launcher/ledger/rowhash.py), and the fingerprint that its done state had before the map existed (`legacy`);
-- `hashes-*.u64`: sorted runs of every mapped id's hash (launcher/ledger/idruns.py);
+  launcher/ids/rowhash.py), and the fingerprint that its done state had before the map existed (`legacy`);
+- `hashes-*.u64`: sorted runs of every mapped id's hash (launcher/ids/idruns.py);
 - `left-*.parquet`: ids that left the source: their samples stay, and they keep their shard if they come back.
-The planner (launcher/ledger/idplan.py) builds the next generation in a local folder; the run commits it under
+The planner (launcher/ids/idplan.py) builds the next generation in a local folder; the run commits it under
 its lock (`commit`), so a dry run or a refused run leaves the output folder as it was.
 """
 
@@ -220,10 +220,10 @@ def discard(staged: Staged | None) -> None:
 
 def file_stat(f: str) -> dict:
     """What says a source file is unchanged without reading it: its size and modification time."""
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     if f.startswith("hf://"):  # the Hub gives no modification time: the blob's id (LFS sha256) says the content
-        from launcher.ledger.hub_source import content_id
+        from launcher.sources.hub_source import content_id
 
         return {"size": None, "mtime": content_id(f.removeprefix("hf://"))}
     fs, p = filesystem(f)
@@ -266,7 +266,7 @@ def grown(entry: dict | None, stat: dict, f: str) -> bool:
 
 
 def _edge_bytes(f: str, size: int) -> tuple[bytes, bytes]:
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     fs, p = filesystem(f)
     with fs.open_input_file(p) as fh:

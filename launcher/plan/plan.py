@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 
 from launcher.errors import ConfigError
-from launcher.ledger import rejected as rejected_mod
-from launcher.ledger import stale as stale_mod
-from launcher.ledger.prompts import SizeRule, Source, check_limit, read_batches, run_folder
-from launcher.ledger.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
 from launcher.ledger.states import exhausted, select_shards, state_token
 from launcher.ledger.store import Store
+from launcher.plan import stale as stale_mod
+from launcher.plan.shards import Shard, parse_selection, prompts_fingerprint, same_prompts
+from launcher.sources import rejected as rejected_mod
+from launcher.sources.prompts import SizeRule, Source, check_limit, read_batches, run_folder
 
 PLANS_DIR = "plans"
 
@@ -44,7 +44,7 @@ class Plan:
     rejected: list[dict] = field(default_factory=list)  # dataset.bad_rows=skip: rows set aside (rejected.py)
     late: tuple[tuple[int, str], ...] = ()  # of them, those found once every row was read (duplicate ids)
     held: list[int] = field(default_factory=list)  # failed run.max_attempts times: not retried (states.exhausted)
-    ids: object = None  # with dataset.id_column: what the id map's pass 1 found (launcher/ledger/idplan.py)
+    ids: object = None  # with dataset.id_column: what the id map's pass 1 found (launcher/ids/idplan.py)
 
     @property
     def status(self) -> dict[int, str]:
@@ -55,7 +55,7 @@ class Plan:
 
 
 def source(cfg, sizes: SizeRule | None = None) -> Source:
-    from launcher.ledger.sweep import n_variants, raw_sweep
+    from launcher.plan.sweep import n_variants, raw_sweep
 
     d, g, edit = cfg.dataset, cfg.generate, cfg.get("job", "text_to_image") == "edit"
     images = d.image_column if edit else None
@@ -159,10 +159,10 @@ def by_id(cfg) -> bool:
 
 
 def _make_plan(cfg, states: dict[int, dict], src: Source, sizes: SizeRule | None, store: Store | None) -> Plan:
-    from launcher.ledger.sweep import check_sweep_columns
+    from launcher.plan.sweep import check_sweep_columns
 
     if by_id(cfg):
-        from launcher.ledger.plan_ids import make_id_plan
+        from launcher.plan.plan_ids import make_id_plan
 
         return make_id_plan(cfg, states, src, sizes, store)
     from launcher.ledger.verify import listed_damage, say_damage
@@ -194,7 +194,7 @@ def _make_plan(cfg, states: dict[int, dict], src: Source, sizes: SizeRule | None
         stale_mod.refuse(cfg, store, stale, stale_tables)
     held = exhausted(states, status, cfg.run.max_attempts) if selection == "pending" else []  # run.max_attempts
     plan = Plan(shards, select_shards(status, selection, cfg.run.stale, frozenset(held)), stale, held=held)
-    plan.rejected, plan.late = set_aside, src.late  # dataset.bad_rows=skip (launcher/ledger/rejected.py)
+    plan.rejected, plan.late = set_aside, src.late  # dataset.bad_rows=skip (launcher/sources/rejected.py)
     return plan
 
 
@@ -212,11 +212,11 @@ def check_row_fields(table: pa.Table, cfg, sizes: SizeRule | None) -> None:
 
 
 def plan_kept_fields(src: Source) -> tuple[pa.Field, ...]:
-    """The dataset.keep_columns fields (launcher/ledger/keep.py), in the plan after the rows' own columns."""
+    """The dataset.keep_columns fields (launcher/sources/keep.py), in the plan after the rows' own columns."""
     if not src.keep_columns:
         return ()
-    from launcher.ledger.keep import kept_fields
-    from launcher.ledger.prompts import source_files
+    from launcher.sources.keep import kept_fields
+    from launcher.sources.prompts import source_files
 
     return kept_fields(src, tuple(source_files(src.path)))
 
@@ -227,13 +227,13 @@ def plan_rel(run_id: str) -> str:
 
 def write_plan_file(store: Store, rel: str, cfg, plan: Plan, sizes: SizeRule | None = None) -> None:
     """Pass 2: the selected shards' rows, one record batch each, written whole or not at all."""
-    from launcher.ledger.prompts import SCHEMA
-    from launcher.ledger.references import REF_FIELDS
+    from launcher.sources.prompts import SCHEMA
+    from launcher.sources.references import REF_FIELDS
 
     wanted = set(plan.selected)
     order, tables = sorted(wanted), None
-    if plan.ids is not None:  # shards of ids: gathered from wherever their rows are (launcher/ledger/idpass2.py)
-        from launcher.ledger.plan_ids import id_tables
+    if plan.ids is not None:  # shards of ids: gathered from wherever their rows are (launcher/ids/idpass2.py)
+        from launcher.plan.plan_ids import id_tables
 
         order, tables = id_tables(store, cfg, plan, sizes)
     meta = {"shards": [[i, plan.shards[i].fingerprint, plan.shards[i].seen] for i in order]}

@@ -56,8 +56,8 @@ def whole_repo(path: str) -> bool:
 def repo_files(path: str) -> list[str]:
     """Every data file of a repo in the formats read here, sorted, each once; hidden ones (`.gitattributes`) left
     out, as `datasets` does for a repo without a loading script. Its README and other files are not data."""
-    from launcher.ledger.globs import expand
-    from launcher.ledger.prompts import FORMATS
+    from launcher.sources.globs import expand
+    from launcher.sources.prompts import FORMATS
 
     root = path.rstrip("/")
     fs, p = hub_filesystem(root)

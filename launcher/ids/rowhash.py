@@ -1,11 +1,11 @@
-"""64-bit hashes of a batch's rows, vectorised: what the id map (launcher/ledger/idmap.py) keeps per source row.
+"""64-bit hashes of a batch's rows, vectorised: what the id map (launcher/ids/idmap.py) keeps per source row.
 
-- `id_hashes`: of each id's file stem (launcher/ledger/shards.py's file_stem), so two ids that would write the same
+- `id_hashes`: of each id's file stem (launcher/plan/shards.py's file_stem), so two ids that would write the same
   image file collide like two equal ids do; equal hashes are then compared as strings, so a collision of two
   different stems costs a look, never a refusal.
 - `row_hashes`: of everything a row contributes to its images (id, prompt, per-row overrides, reference hashes,
   kept columns), so an edited row is found without keeping its text; a column empty throughout is left out, as the
-  shard fingerprint leaves it out (launcher/ledger/shards.py).
+  shard fingerprint leaves it out (launcher/plan/shards.py).
 A Python loop costs ~1 us a row, pandas' siphash over Arrow strings 0.3-0.4 us; strings here are hashed from Arrow's
 buffer with numpy (`_string_hash`), ~0.02 us an id, which a 100M-row source needs. Not a cryptographic hash: it
 finds edits and candidate duplicates, and every candidate duplicate is then compared as text.
@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from launcher.ledger.shards import FILE_STEM_UNSAFE, UNHASHED
+from launcher.plan.shards import FILE_STEM_UNSAFE, UNHASHED
 
 _SAFE = np.zeros(256, bool)
 _SAFE[[ord(c) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"]] = True
@@ -110,5 +110,5 @@ def row_hashes(batch: pa.RecordBatch, ids: np.ndarray | None = None) -> np.ndarr
 
 def shard_fingerprint(total: int) -> str:
     """A shard's fingerprint in the id map: the sum of its rows' hashes mod 2**64, so one row's edit updates it
-    without reading the others (launcher/ledger/idmap.py)."""
+    without reading the others (launcher/ids/idmap.py)."""
     return f"v3-{int(total) & (2**64 - 1):016x}"

@@ -10,7 +10,7 @@ plan columns:
 - `ref_loc`: JSON, one `{"path": lineage, "src": where to read it}` per reference; `src` is a path or URL, or
   `[file, column, row, k]` for bytes stored in the source (row within that file, k-th of the row's references). Not
   fingerprinted: moving a source folder is no change of its images.
-Workers read a shard's references when they claim it (launcher/ledger/reference_reads.py) and check their hashes.
+Workers read a shard's references when they claim it (launcher/sources/reference_reads.py) and check their hashes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from launcher.errors import ConfigError
-from launcher.ledger.reference_checks import check_image, check_output_size, hash_file
+from launcher.sources.reference_checks import check_image, check_output_size, hash_file
 
 REF_FIELDS = [pa.field("ref_sha256", pa.string()), pa.field("ref_loc", pa.string())]
 
@@ -35,7 +35,7 @@ _CHUNK = 1 << 20
 
 def _base_dir(f: str) -> str:
     """The folder that relative reference paths are relative to: the source file's (a save_to_disk folder's own)."""
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory":
@@ -54,7 +54,7 @@ def resolve(path: str, base: str) -> str:
 
 def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
     """(where, row within the file, the column's value) for each row of one source file, a few rows at a time."""
-    from launcher.ledger.prompts import _suffix, filesystem
+    from launcher.sources.prompts import _suffix, filesystem
 
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory" or _suffix(f) == ".parquet":
@@ -67,7 +67,7 @@ def column_rows(f: str, col: str) -> Iterator[tuple[str, int, object]]:
 
 
 def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
-    from launcher.ledger.prompts_raw import missing_column, raw_rows
+    from launcher.sources.prompts_raw import missing_column, raw_rows
 
     for where, r in raw_rows(f, col, None, role="image"):
         if col not in r:  # a JSON line without it (a CSV's header says so before its first row)
@@ -84,7 +84,7 @@ def _text_rows(f: str, col: str) -> Iterator[tuple[str, object]]:
 def _arrow_rows(f: str, col: str, fs, p: str) -> Iterator[tuple[str, int, object]]:
     import pyarrow.parquet as pq
 
-    from launcher.ledger.prompts_raw import missing_column, saved_dataset_files
+    from launcher.sources.prompts_raw import missing_column, saved_dataset_files
 
     def missing(names):
         return ConfigError(missing_column(f"dataset {f}", col, "image", names))
@@ -155,9 +155,9 @@ class References:
         self._rows = ((f, _base_dir(f), row) for f in files for row in column_rows(f, src.image_column))
 
     def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        """With dataset.bad_rows=skip, a row whose references fail a check is rejected (launcher/ledger/rejected.py)
+        """With dataset.bad_rows=skip, a row whose references fail a check is rejected (launcher/sources/rejected.py)
         rather than refused; a row rejected already reads none."""
-        from launcher.ledger.rejected import FIELD, rejection
+        from launcher.sources.rejected import FIELD, rejection
 
         shas, locs, heights, widths = [], [], [], []
         names = batch.schema.names

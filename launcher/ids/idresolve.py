@@ -1,4 +1,4 @@
-"""The end of pass 1 with an id column (launcher/ledger/idplan.py): seen-before ids resolved, duplicates found,
+"""The end of pass 1 with an id column (launcher/ids/idplan.py): seen-before ids resolved, duplicates found,
 the shard table updated, and the next generation of the id map staged.
 
 A duplicate id (twice in the changed files, or in a changed file and an unchanged one) is refused naming both
@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from launcher.errors import ConfigError
-from launcher.ledger import idmap, idruns
-from launcher.ledger.rowhash import stems
+from launcher.ids import idmap, idruns
+from launcher.ids.rowhash import stems
 
 SHOWN = 5
 _COLS = ["id", "h", "fp", "shard", "pos"]
@@ -29,7 +29,7 @@ def finish(out, staged, new, spill, candidates, vanished, deltas, index, files, 
 
 
 def _finish(out, staged, new, spill, candidates, vanished, deltas, index, files, legacy_tables, left_before):
-    from launcher.ledger import rejected
+    from launcher.sources import rejected
 
     run_rel, run_path = staged.add("hashes", ".u64")
     doubles = spill.finish(run_path)
@@ -89,7 +89,7 @@ def staged_changed(staged) -> set[str]:
 
 def _refuse(out, first: tuple[int, str]) -> None:
     """The refusal of a duplicate id, naming the lines of both (the exact reader's words), else ours."""
-    from launcher.ledger.prompts import _check_unique
+    from launcher.sources.prompts import _check_unique
 
     if out.src is not None and first[2:]:
         rid, files = first[2], first[3]

@@ -1,8 +1,8 @@
 """`dataset.bad_rows=skip`: rows that cannot be generated are set aside, each with its reason, and the rest runs.
 
-A rejected row keeps its place in the source's order: the readers (launcher/ledger/prompts.py) yield it with a
+A rejected row keeps its place in the source's order: the readers (launcher/sources/prompts.py) yield it with a
 `rejected` column (JSON: where it is and why), so shard i still holds rows i*size ... (i+1)*size-1 and no good row
-moves to another shard when a bad one is fixed or turns bad. The plan (launcher/ledger/plan.py) takes a shard's
+moves to another shard when a bad one is fixed or turns bad. The plan (launcher/plan/plan.py) takes a shard's
 accepted rows only: they are what it generates and fingerprints. The run writes the rows it set aside to
 `rejected/<run id>.parquet`, which a later run reads back: a done shard whose only change is that a row it left
 out is fixed now is regenerated as grown (`was_without`), not refused as stale.
@@ -79,7 +79,7 @@ def check_unique(ids: pa.ChunkedArray, src) -> None:
     name cannot hold) is set aside: raises Recheck with them, vectorised; returns when there are none."""
     import numpy as np
 
-    from launcher.ledger.shards import FILE_STEM_UNSAFE
+    from launcher.plan.shards import FILE_STEM_UNSAFE
 
     stems = pc.replace_substring_regex(ids, FILE_STEM_UNSAFE, "_")
     if pc.count_distinct(stems).as_py() == len(ids) - ids.null_count:

@@ -4,8 +4,8 @@
 Without them one value could stop a job for good: `num_inference_steps=1000000000` takes a worker to 22 GiB and
 the kernel's OOM killer, and every rerun repeats it; `guidance_scale=inf` gives an all-black image that is
 marked done; a 100 MB prompt is read whole by every rank that generates it, although the text encoder keeps only
-its first `generate.max_sequence_length` tokens. So both prompt readers (launcher/ledger/prompts.py, exact, and
-prompts_fast.py, vectorised), the sweep's check (launcher/ledger/sweep.py) and the config check
+its first `generate.max_sequence_length` tokens. So both prompt readers (launcher/sources/prompts.py, exact, and
+prompts_fast.py, vectorised), the sweep's check (launcher/plan/sweep.py) and the config check
 (launcher/host/checks.py) refuse them at planning, exit 2, naming the file and the line or the key, and the bound.
 """
 

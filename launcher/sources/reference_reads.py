@@ -1,6 +1,6 @@
 """Reading an edit job's references back: by workers when they claim a shard, by tools from an output's lineage.
 
-The plan (launcher/ledger/references.py) says where each reference is and its sha256; a reference that is gone
+The plan (launcher/sources/references.py) says where each reference is and its sha256; a reference that is gone
 or changed since planning raises here, naming its path, and fails its shard alone.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 
-from launcher.ledger.references import _entries, column_rows
+from launcher.sources.references import _entries, column_rows
 
 
 def read_lineage(path: str, column: str = "image") -> bytes:
     """A reference's bytes from its lineage path (a file, or `<source file>#row=N[&ref=K]`), for tools."""
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     if "#row=" in path:
         f, _, rest = path.rpartition("#row=")
@@ -29,7 +29,7 @@ def load_references(row: dict) -> list[tuple[dict, bytes]]:
     """A plan row's references as (lineage {path, sha256}, bytes), read now and checked against their hashes.
 
     Raises FileNotFoundError / ValueError naming the path: the shard fails, the others go on."""
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     out = []
     for loc, sha in zip(json.loads(row["ref_loc"]), row["ref_sha256"].split(), strict=True):
@@ -55,7 +55,7 @@ def _stored_bytes(f: str, col: str, n: int, k: int) -> bytes:
     """The k-th reference of row n of a Parquet file or save_to_disk folder (reading only its row group)."""
     import pyarrow.parquet as pq
 
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory":

@@ -13,7 +13,7 @@ import itertools
 import math
 
 from launcher.errors import ConfigError
-from launcher.ledger.bounds import LORA_SCALE, NUMBERS
+from launcher.sources.bounds import LORA_SCALE, NUMBERS
 
 KEYS = ("guidance_scale", "num_inference_steps", "height", "width", "true_cfg_scale")  # and lora_scale.<i>
 INT_KEYS = ("num_inference_steps", "height", "width")

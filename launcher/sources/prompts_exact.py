@@ -1,21 +1,21 @@
 """The exact reader: each row of a prompt file checked in Python, one by one, so that a bad row is named exactly
-(launcher/ledger/prompts.py runs it where the fast reader, launcher/ledger/prompts_fast.py, gives up)."""
+(launcher/sources/prompts.py runs it where the fast reader, launcher/sources/prompts_fast.py, gives up)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from launcher.errors import ConfigError
-from launcher.ledger.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
-from launcher.ledger.prompts import _INT_COLUMNS, OVERRIDE_COLUMNS, Source
-from launcher.ledger.prompts_raw import missing_column, raw_rows
+from launcher.sources.bounds import GUIDANCE, STEPS, guidance_problem, steps_problem, text_problem
+from launcher.sources.prompts import _INT_COLUMNS, OVERRIDE_COLUMNS, Source
+from launcher.sources.prompts_raw import missing_column, raw_rows
 
 
 def exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dict]:
     """Each row from byte `offset` (0, or a grown text file's old end), the first one row `start`, checked. A row
     that fails a check raises (dataset.bad_rows=refuse) or, with skip, stands as a rejected row in its place
-    (launcher/ledger/rejected.py), so that the rows after it keep their positions."""
-    from launcher.ledger.rejected import rejected_row
+    (launcher/sources/rejected.py), so that the rows after it keep their positions."""
+    from launcher.sources.rejected import rejected_row
 
     for n, (where, r) in enumerate(raw_rows(f, src.prompt_column, src.id_column, offset), start):
         try:
@@ -28,7 +28,7 @@ def exact_rows(f: str, src: Source, start: int, offset: int = 0) -> Iterator[dic
 
 
 def _exact_row(where: str, r, n: int, src: Source) -> dict:
-    from launcher.ledger.row_checks import Bad, id_problem
+    from launcher.sources.row_checks import Bad, id_problem
 
     col, id_col = src.prompt_column, src.id_column
     if isinstance(r, Bad):

@@ -1,8 +1,8 @@
 """`dataset.keep_columns`: source columns carried into every output (Parquet, WebDataset's JSON) with their types.
 
 The kept columns are read in a pass of their own over the source, row for row beside the prompt readers (as
-launcher/ledger/references.py attaches the reference columns), so the readers stay as they are: a rejected row
-keeps its place (launcher/ledger/rejected.py) and so does its kept value. Types are the source's Arrow types,
+launcher/sources/references.py attaches the reference columns), so the readers stay as they are: a rejected row
+keeps its place (launcher/sources/rejected.py) and so does its kept value. Types are the source's Arrow types,
 fixed by the first file (Parquet and save_to_disk: their schema; JSON lines: pyarrow's inference over that file's
 values; CSV has no types: text); a later file whose values do not fit them is refused naming it.
 Kept values are part of each shard's prompts fingerprint: they are recorded in its Parquet, so a changed value
@@ -19,7 +19,7 @@ import pyarrow as pa
 from launcher.errors import ConfigError
 
 # Every column that meshgen writes or carries in its plan (launcher/worker/writer.py's SCHEMA and the optional
-# columns, launcher/ledger/prompts.py's SCHEMA, the reference, rejected and quality columns): a kept column of the
+# columns, launcher/sources/prompts.py's SCHEMA, the reference, rejected and quality columns): a kept column of the
 # same name would clash with it. tests/test_outputs.py checks that the writer's names are all here.
 RESERVED = frozenset(
     "id prompt seed height width num_inference_steps guidance_scale negative_prompt model image prompt_id variant "
@@ -31,7 +31,7 @@ _READ_ROWS = 4096
 def kept_names(src, files: list[str]) -> tuple[str, ...]:
     """The kept column names: the listed ones, or with `all` every column of the first file but the ones
     meshgen reads itself (prompt, id, image and per-row setting columns). Refuses a clash with ours."""
-    from launcher.ledger.prompts import OVERRIDE_COLUMNS
+    from launcher.sources.prompts import OVERRIDE_COLUMNS
 
     spec = src.keep_columns
     if not spec:
@@ -70,11 +70,11 @@ def kept_fields(src, files: tuple[str, ...]) -> tuple[pa.Field, ...]:
 
 def _first_fields(f: str, col: str) -> dict[str, pa.DataType]:
     """name -> type of one file's columns."""
-    from launcher.ledger.prompts import _suffix, filesystem
+    from launcher.sources.prompts import _suffix, filesystem
 
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory":
-        from launcher.ledger.prompts_raw import saved_dataset_files
+        from launcher.sources.prompts_raw import saved_dataset_files
 
         with fs.open_input_file(saved_dataset_files(f)[0]) as fh:
             schema = pa.ipc.open_stream(fh).schema
@@ -101,7 +101,7 @@ def _inferred(values: list) -> pa.DataType:
 
 
 def _rows(f: str, col: str):
-    from launcher.ledger.prompts_raw import raw_rows
+    from launcher.sources.prompts_raw import raw_rows
 
     return raw_rows(f, col, None)
 
@@ -128,7 +128,7 @@ class Kept:
         return pa.RecordBatch.from_arrays(cols, schema=pa.schema([*batch.schema, *self.fields]))
 
     def _file_batches(self, f: str) -> Iterator[pa.RecordBatch]:
-        from launcher.ledger.prompts import _suffix, filesystem
+        from launcher.sources.prompts import _suffix, filesystem
 
         fs, p = filesystem(f)
         names = [x.name for x in self.fields]
@@ -151,7 +151,7 @@ class Kept:
 
 def _arrow_batches(f: str, fs, p: str, names: list[str]) -> Iterator[pa.RecordBatch]:
     if fs.get_file_info(p).type.name == "Directory":
-        from launcher.ledger.prompts_raw import saved_dataset_files
+        from launcher.sources.prompts_raw import saved_dataset_files
 
         for part in saved_dataset_files(f):
             with fs.open_input_file(part) as fh:

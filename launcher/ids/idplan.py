@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from launcher.ledger import idmap, idruns
-from launcher.ledger.rowhash import id_hashes, row_hashes, stems
+from launcher.ids import idmap, idruns
+from launcher.ids.rowhash import id_hashes, row_hashes, stems
 
 SHOWN = 5
 
@@ -75,8 +75,8 @@ class _New:
 def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh: bool = False) -> IdShards:
     """Pass 1 over `files` (listing order) with `src.id_column`; `check(table)` runs the row checks of new rows.
     `fresh`: as if the output folder held no id map (idmap.Damaged was raised reading it)."""
-    from launcher.ledger import rejected
-    from launcher.ledger.prompts import file_batches
+    from launcher.sources import rejected
+    from launcher.sources.prompts import file_batches
 
     index = idmap.Index(store) if fresh else idmap.load(store, size)
     rows, total, legacy = index.read_shards()
@@ -164,7 +164,7 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
                 "lo": lo,
                 "hi": hi,
                 **idmap.edges(f, stats[f]),  # to know next time that it only grew
-                # its old ends (byte, row), where pass 2 may start reading (launcher/ledger/idpass2.py)
+                # its old ends (byte, row), where pass 2 may start reading (launcher/ids/idpass2.py)
                 **({"parts": [*old[f].get("parts", []), [offset, old[f]["rows_all"]]]} if f in grown else {}),
             }
             start += n_all
@@ -176,7 +176,7 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
     except BaseException:
         idmap.discard(staged)
         raise
-    from launcher.ledger.idresolve import finish
+    from launcher.ids.idresolve import finish
 
     return finish(out, staged, new, spill, candidates, vanished, deltas, index, files, legacy_tables, left_before)
 
@@ -242,7 +242,7 @@ class _LegacyTables:
                 self.parts.setdefault(int(s), []).append(t.filter(pa.array(shards == s)))
 
     def done(self) -> dict[int, str]:
-        from launcher.ledger.shards import prompts_fingerprint
+        from launcher.plan.shards import prompts_fingerprint
 
         cols = None
         for s, parts in self.parts.items():

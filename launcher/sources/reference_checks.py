@@ -1,4 +1,4 @@
-"""What a reference image must be for its row to be generated, checked at planning (launcher/ledger/references.py):
+"""What a reference image must be for its row to be generated, checked at planning (launcher/sources/references.py):
 an image, not cut short, within the family's pixels and the edit pipelines' own bounds, and read within a size
 bound (a device or a growing file is no image). Each failure is one line naming the row and the fix."""
 
@@ -47,7 +47,7 @@ def check_image(head, where: str, what: str, max_pixels: int, size: int) -> tupl
 
 
 def hash_file(path: str, where: str, max_pixels: int) -> tuple[str, tuple[int, int]]:
-    from launcher.ledger.prompts import filesystem
+    from launcher.sources.prompts import filesystem
 
     try:
         fs, p = filesystem(path)

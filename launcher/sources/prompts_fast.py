@@ -1,6 +1,6 @@
 """The fast reader: pyarrow's streaming readers and vectorised checks, batch by batch.
 
-It yields exactly the rows the exact reader (launcher/ledger/prompts.py) would, or gives up (`_GiveUp`) the
+It yields exactly the rows the exact reader (launcher/sources/prompts.py) would, or gives up (`_GiveUp`) the
 moment it meets anything it cannot judge the same way: a parse error, a type it would have to coerce, a value
 out of range. The exact reader then reads that file and names the bad line, or finds it valid and goes on
 where this one stopped. So the fast path never decides what is an error, only what is certainly fine.
@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from launcher.ledger.bounds import GUIDANCE, STEPS, TEXT_BYTES
-from launcher.ledger.prompts import (
+from launcher.sources.bounds import GUIDANCE, STEPS, TEXT_BYTES
+from launcher.sources.prompts import (
     _INT_COLUMNS,
     BATCH_ROWS,
     OVERRIDE_COLUMNS,
@@ -27,8 +27,8 @@ from launcher.ledger.prompts import (
     _suffix,
     filesystem,
 )
-from launcher.ledger.prompts_raw import csv_header, open_from
-from launcher.ledger.row_checks import CONTROL, ID_BYTES, LINE_BYTES
+from launcher.sources.prompts_raw import csv_header, open_from
+from launcher.sources.row_checks import CONTROL, ID_BYTES, LINE_BYTES
 
 _TYPES = {f.name: f.type for f in SCHEMA}
 _BLOCK = 1 << 22  # bytes per parsed block: large enough to amortise, small enough to stream
@@ -48,7 +48,7 @@ def fast_batches(f: str, src: Source, start: int, offset: int = 0) -> Iterator[p
 def _raw_batches(f: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
     fs, p = filesystem(f)
     if fs.get_file_info(p).type.name == "Directory":
-        from launcher.ledger.prompts_raw import saved_dataset_files
+        from launcher.sources.prompts_raw import saved_dataset_files
 
         for part in saved_dataset_files(f):
             with fs.open_input_file(part) as fh:
@@ -200,7 +200,7 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
 
 
 def _check_ids(ids: pa.Array) -> None:
-    """Give up on an id that cannot name a file (launcher/ledger/row_checks.py id_problem words why)."""
+    """Give up on an id that cannot name a file (launcher/sources/row_checks.py id_problem words why)."""
     size = pc.binary_length(ids)
     low, high = pc.min_max(size).values()
     if len(ids) and (low.as_py() == 0 or high.as_py() > ID_BYTES):

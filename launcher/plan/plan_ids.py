@@ -1,4 +1,4 @@
-"""The plan with an id column: shards of ids (launcher/ledger/idplan.py), judged against their states.
+"""The plan with an id column: shards of ids (launcher/ids/idplan.py), judged against their states.
 
 A done shard is stale only when the row of one of its own ids changed; its fingerprint is the sum of its rows'
 hashes, left ids included, so an id that left the source changes nothing, and a new id never joins a done shard.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from launcher.errors import ConfigError
-from launcher.ledger import stale as stale_mod
-from launcher.ledger.rowhash import shard_fingerprint
+from launcher.ids.rowhash import shard_fingerprint
 from launcher.ledger.states import exhausted, select_shards, state_token
+from launcher.plan import stale as stale_mod
 
 logger = logging.getLogger(__name__)
 CUT = "-first"  # a shard cut by dataset.limit: "<its whole fingerprint>-first<rows planned>"
@@ -38,7 +38,7 @@ def id_status(state: dict | None, fingerprint: str, legacy: str | None, cut: str
 
 
 def make_id_plan(cfg, states: dict[int, dict], src, sizes, store):
-    from launcher.ledger import idmap
+    from launcher.ids import idmap
 
     try:
         return _make_id_plan(cfg, states, src, sizes, store)
@@ -48,12 +48,12 @@ def make_id_plan(cfg, states: dict[int, dict], src, sizes, store):
 
 
 def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool = False):
-    from launcher.ledger.idplan import plan_ids
-    from launcher.ledger.plan import Plan, ShardPlan, check_row_fields
-    from launcher.ledger.prompts import check_limit, source_files
-    from launcher.ledger.shards import parse_selection
-    from launcher.ledger.sweep import check_sweep_columns
+    from launcher.ids.idplan import plan_ids
     from launcher.ledger.verify import listed_damage, say_damage
+    from launcher.plan.plan import Plan, ShardPlan, check_row_fields
+    from launcher.plan.shards import parse_selection
+    from launcher.plan.sweep import check_sweep_columns
+    from launcher.sources.prompts import check_limit, source_files
 
     def check(t):
         check_sweep_columns(t, cfg)
@@ -62,13 +62,13 @@ def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool =
     check_limit(cfg.dataset.limit)
     found = plan_ids(src, source_files(src.path), cfg.run.shard_size, store, states, check, fresh)
     if not len(found.rows):
-        from launcher.ledger import rejected as rejected_mod
+        from launcher.sources import rejected as rejected_mod
 
         if found.rejected:
             rejected_mod.refuse_all(cfg.dataset.path, found.rejected)
         raise ConfigError(f"dataset {src.path} holds no prompts; add prompts or point dataset.path elsewhere")
     if found.staged is not None and (src.images_per_prompt > 1 or src.variants):
-        from launcher.ledger.shards import check_sample_ids
+        from launcher.plan.shards import check_sample_ids
 
         check_sample_ids(_all_ids(found), src.images_per_prompt, f"dataset {src.path}", src.variants)
     damaged = listed_damage(store, states) if store is not None else {}
@@ -106,8 +106,8 @@ def _make_id_plan(cfg, states: dict[int, dict], src, sizes, store, fresh: bool =
 def _read_old_maps(found, selected: set[int]) -> None:
     """The old maps that pass 2 reads for the selected shards, read now as it will (their shard column): a damaged
     one then means planning afresh (idmap.Damaged), not a run that fails at its plan file."""
-    from launcher.ledger import idmap
-    from launcher.ledger.idpass2 import shard_order
+    from launcher.ids import idmap
+    from launcher.ids.idpass2 import shard_order
 
     try:
         shard_order(found.index, selected)
@@ -121,7 +121,7 @@ def _all_ids(found):
     images per prompt or a sweep, a changed source is checked whole, from the maps, not from the source)."""
     import pyarrow.parquet as pq
 
-    from launcher.ledger import idmap
+    from launcher.ids import idmap
 
     staged = found.staged
     try:
@@ -145,9 +145,9 @@ def id_tables(store, cfg, plan, sizes):
     """(the selected shards in plan-file order, an iterator of (shard, rows)) for write_plan_file."""
     from dataclasses import replace
 
-    from launcher.ledger import idmap
-    from launcher.ledger.idpass2 import shard_order, shard_rows
-    from launcher.ledger.plan import source
+    from launcher.ids import idmap
+    from launcher.ids.idpass2 import shard_order, shard_rows
+    from launcher.plan.plan import source
 
     if plan.ids.staged is not None:  # a plan made outside a run's books: its id map goes in with its plan file
         commit_ids(store, plan)
@@ -159,7 +159,7 @@ def id_tables(store, cfg, plan, sizes):
 
 def commit_ids(store, plan) -> None:
     """The id map this plan made, into the output folder (under the run's lock, before any shard is claimed)."""
-    from launcher.ledger import idmap
+    from launcher.ids import idmap
 
     if plan.ids is not None and plan.ids.staged is not None:
         idmap.commit(store, plan.ids.staged)
