@@ -37,6 +37,7 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/ty check --python $(VENV) launcher jobs
 	$(BIN)/python -m compileall -q launcher jobs tools
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 

@@ -100,7 +100,7 @@ def shard_batches(rows, cfg) -> list[EditBatch]:
     from omegaconf import OmegaConf
 
     # The generation settings as they are (sweeps add keys), with one row a call.
-    one = SimpleNamespace(**{**OmegaConf.to_container(cfg.generate, resolve=True), "batch_size": 1})
+    one = SimpleNamespace(**{**OmegaConf.to_container(cfg.generate, resolve=True), "batch_size": 1})  # ty: ignore[invalid-argument-type]
     out = []
     for b in make_batches(rows, one):
         refs = load_references(b.rows[0])

@@ -88,7 +88,7 @@ def check_finite(batch: Batch, values, component: str) -> None:
         import numpy as np
 
         ok = np.isfinite(np.asarray(values[:real]).reshape(real, -1)).all(1).tolist()
-    bad = [sid for sid, fine in zip(batch.image_ids(), ok, strict=True) if not fine]
+    bad = [sid for sid, fine in zip(batch.image_ids(), ok, strict=True) if not fine]  # ty: ignore[invalid-argument-type]
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise NonFiniteOutput(

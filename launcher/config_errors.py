@@ -20,8 +20,8 @@ def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
     for key in node:
         if key not in hints:
             out.append(f"{prefix}{key}")
-        elif dataclasses.is_dataclass(hints[key]) and isinstance(node[key], DictConfig):
-            out += unknown_keys(node[key], hints[key], f"{prefix}{key}.")
+        elif dataclasses.is_dataclass(hints[key]) and isinstance(node[key], DictConfig):  # ty: ignore[invalid-argument-type]
+            out += unknown_keys(node[key], hints[key], f"{prefix}{key}.")  # ty: ignore[invalid-argument-type]
     return out
 
 
@@ -36,7 +36,7 @@ def unknown_key_message(full_key: str, root: type) -> str | None:
         if not dataclasses.is_dataclass(hint):
             return None
         schema = hint
-    keys = [f.name for f in dataclasses.fields(schema)]
+    keys = [f.name for f in dataclasses.fields(schema)]  # ty: ignore[invalid-argument-type]
     group = ".".join(parents)
     prefix = f"{group}." if group else ""
     close = difflib.get_close_matches(leaf, keys, n=1)
@@ -78,7 +78,7 @@ def parse_error(overrides: list[str], e: Exception) -> str:
     return f"bad configuration: {'; '.join(_lines(e))}; overrides look like key=value"
 
 
-def _lines(e: Exception) -> list[str]:
+def _lines(e: BaseException) -> list[str]:
     """The message's lines, with a listing ("Available options in 'mesh':" then one per line) on one line."""
     out: list[str] = []
     listing = False

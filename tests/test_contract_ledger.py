@@ -237,3 +237,37 @@ def test_five_digit_shard_indices_read_back(tmp_path):
     ledger.refresh()
     ledger.refresh()
     assert ledger.reads == 2  # the second listing finds nothing new to read
+
+
+# DESIGN.md, run.shards / run.stale / run.max_attempts: which shards a run generates, written out per status.
+# 0 done, 1 pending, 2 failed, 3 failed but held back after run.max_attempts alike, 4 grown, 5 damaged, 6 stale.
+STATUSES = {0: "done", 1: "pending", 2: "failed", 3: "failed", 4: "grown", 5: "damaged", 6: "stale"}
+SELECTED = [
+    ("pending", "keep", [1, 2, 4, 5]),  # all not done (a grown or damaged shard is not done); 3 held; stale kept
+    ("pending", "regenerate", [1, 2, 4, 5, 6]),
+    ("failed", "keep", [2, 3]),  # run.shards=failed retries a shard held back after its attempts too
+    ("all", "keep", [0, 1, 2, 3, 4, 5, 6]),
+    ("all", "error", [0, 1, 2, 3, 4, 5, 6]),  # all regenerates the stale ones: nothing to refuse
+    ([6, 0], "keep", [6, 0]),  # a list is taken as given
+]
+
+
+@pytest.mark.parametrize(("shards", "stale", "expected"), SELECTED)
+def test_which_shards_a_run_generates(shards, stale, expected):
+    from launcher.ledger.states import select_shards
+
+    assert select_shards(STATUSES, shards, stale, frozenset({3})) == expected
+
+
+@pytest.mark.parametrize("shards", ["pending", "failed", [1]])
+def test_done_shards_whose_prompts_changed_are_refused_by_default_naming_them(shards):
+    from launcher.errors import ConfigError
+    from launcher.ledger.states import select_shards
+
+    with pytest.raises(ConfigError) as e:
+        select_shards({0: "stale", 1: "pending", 2: "stale"}, shards)
+    assert str(e.value) == (
+        "shards [0, 2] are done but their prompts changed since; rerun with run.stale=regenerate to redo them, "
+        "or run.stale=keep to keep the old images"
+    )
+    assert select_shards({0: "done", 1: "pending"}, "pending") == [1]  # nothing stale: nothing refused

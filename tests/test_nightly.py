@@ -2,6 +2,7 @@
 shard, a new id is never lost, and each night costs what changed (DESIGN: `dataset.id_column`, `run.stale`)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -509,23 +510,48 @@ def test_a_shards_map_rows_are_read_from_the_row_groups_that_hold_them(tmp_path)
     assert _map(index, "f", ["row", "shard"], pa.array([7], pa.int32())).num_rows == 0  # no shard there
 
 
-@pytest.mark.parametrize("damage", ["a map file gone", "entries of the wrong type"])
+DAMAGES = {  # what is done to the committed index.json -> the reason its warning must give
+    "the map file gone": "{map} is missing",
+    "the shards file gone": "{shards} is missing",
+    "the run file gone": "{run} is missing",
+    "a name that is not a string": "7 is missing",
+    "an entry of the wrong type": "a source file's entry is not what it should be",
+    "a generation that is not a number": "its fields have the wrong types",
+    "files that are not a mapping": "its fields have the wrong types",
+    "runs that are not a list": "its fields have the wrong types",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch, caplog, damage):
-    """A file of the output folder never stops a run with a traceback: an index.json that names a missing map, or
-    holds the wrong types, is read as no map; the unchanged source then plans to the same done shards."""
+    """A file of the output folder never stops a run with a traceback: an index.json that names a missing file, or
+    holds the wrong types, is read as no map, with a warning that says why; the unchanged source then plans to the
+    same done shards."""
     src = tmp_path / "a.jsonl"
     write(src, ROWS)
     nights = _Nights(tmp_path, monkeypatch, src)
     first, _ = nights.plan()
     index = tmp_path / "out" / "sources" / "index.json"
     data = json.loads(index.read_text())
-    if damage == "a map file gone":
-        (tmp_path / "out" / data["files"][str(src)]["map"]).unlink()
+    names = {"map": data["files"][str(src)]["map"], "shards": data["shards"], "run": data["runs"][0]}
+    if damage.endswith("gone"):
+        (tmp_path / "out" / names[damage.split()[1]]).unlink()
     else:
-        data["files"][str(src)]["rows_all"] = "ten"
+        key, value = {
+            "a name that is not a string": ("shards", 7),
+            "a generation that is not a number": ("gen", "1"),
+            "files that are not a mapping": ("files", []),
+            "runs that are not a list": ("runs", {}),
+        }.get(damage, (None, None))
+        if key is None:
+            data["files"][str(src)]["rows_all"] = "ten"
+        else:
+            data[key] = value
         index.write_text(json.dumps(data))
     again, read = nights.plan()
-    assert "the id map" in caplog.text and "is damaged" in caplog.text
+    assert f"the id map {index} is damaged ({DAMAGES[damage].format(**names)}): the source is planned afresh" in (
+        caplog.text
+    )
     assert read == [[0, 10]]  # read whole again
     assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
 
@@ -796,3 +822,24 @@ def test_a_file_edited_in_its_middle_at_the_same_size_is_read_whole(tmp_path, mo
     with pytest.raises(ConfigError, match=r"shards \[25\] are done but their prompts changed since \(samples p100\)"):
         nights.plan()
     assert nights.reads == [[0, 200]]
+
+
+def test_a_file_is_unchanged_by_its_size_and_time_and_a_saved_dataset_by_all_of_its_files(tmp_path):
+    """What says a source is unchanged without reading it: a file's size and modification time (ns); a saved
+    dataset (a folder) sums its files' sizes, nested ones included, and takes the latest of their times."""
+    from launcher.ids.idmap import file_stat
+
+    one = tmp_path / "a.jsonl"
+    one.write_bytes(b"x" * 7)
+    os.utime(one, ns=(1_700_000_000_123_456_789,) * 2)
+    assert file_stat(str(one)) == {"size": 7, "mtime": 1_700_000_000_123_456_789}
+    saved = tmp_path / "saved"
+    (saved / "train").mkdir(parents=True)
+    for name, size, ns in (
+        ("state.json", 3, 1_600_000_000_000_000_000),
+        ("train/data-00000.arrow", 11, 1_650_000_000_000_000_005),
+    ):
+        (saved / name).write_bytes(b"y" * size)
+        os.utime(saved / name, ns=(ns, ns))
+    os.utime(saved / "train", ns=(1_500_000_000_000_000_000,) * 2)
+    assert file_stat(str(saved)) == {"size": 14, "mtime": 1_650_000_000_000_000_005}

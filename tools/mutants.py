@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 ROOMS = {room: f"launcher/{room}" for room in ("sources", "plan", "ids", "ledger", "host", "worker")} | {"jobs": "jobs"}
 # mutmut's exit codes of a mutant's test run (mutmut/stats.py status_by_exit_code); anything else is suspicious.
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout"}
-STATUS |= {-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
-COLUMNS = ("killed", "survived", "no tests", "timeout", "suspicious", "not checked")
+STATUS |= {-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", 37: "type error", None: "not checked"}
+COLUMNS = ("killed", "type error", "survived", "no tests", "timeout", "suspicious", "not checked")
 
 
 def room_glob(room: str) -> str:
@@ -58,10 +58,10 @@ def counts(room: str) -> Counter:
 
 
 def score(c: Counter) -> float:
-    """Killed (a timeout is a change the tests noticed) over every mutant judged, no-test ones included: a mutant
-    that no test runs is a change no test would notice."""
-    judged = sum(c[k] for k in ("killed", "timeout", "survived", "no tests", "suspicious"))
-    return (c["killed"] + c["timeout"]) / judged if judged else 0.0
+    """Killed (a timeout is a change the tests noticed, a type error one that `make test`'s type check refuses)
+    over every mutant judged, no-test ones included: a mutant that no test runs is a change no test would notice."""
+    judged = sum(c[k] for k in ("killed", "type error", "timeout", "survived", "no tests", "suspicious"))
+    return (c["killed"] + c["type error"] + c["timeout"]) / judged if judged else 0.0
 
 
 def table(walls: dict[str, float]) -> str:
@@ -113,6 +113,7 @@ def run(room: str, max_children: int, names: list[str] | None = None) -> float:
     # forked from a process with an OpenMP pool segfaults in its first parallel op (217 of jobs' 659 mutants did).
     # mutmut's fork server (process_isolation) avoids it too, but took ~8 s of wall time a mutant here, not ~0.6 s.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["PATH"] = f"{mutmut.parent}{os.pathsep}{env.get('PATH', '')}"  # pyproject's type_check_command: this venv's ty
     cmd = [str(mutmut), "run", "--max-children", str(max_children), *(names or [room_glob(room)])]
     with server_pool(max_children + 1) as servers:  # one for each test run at once, and the stats run's
         code = subprocess.run(cmd, cwd=REPO, env={**env, **servers}).returncode

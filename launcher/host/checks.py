@@ -95,7 +95,8 @@ def check_model_values(cfg) -> None:
 
     kwargs = cfg.model.get("call_kwargs") or {}
     if problem := call_kwargs_problem(
-        OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs, raw_sweep(cfg.generate)
+        OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs,  # ty: ignore[invalid-argument-type]
+        raw_sweep(cfg.generate),
     ):
         raise ConfigError(problem)
     low, high = LORA_SCALE

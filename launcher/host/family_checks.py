@@ -83,7 +83,7 @@ def check_cache(cfg, family: Family) -> None:
 
     options = OmegaConf.to_container(cfg.execution.cache_options)
     try:
-        cache_config(name, options, cfg.generate.num_inference_steps)
+        cache_config(name, options, cfg.generate.num_inference_steps)  # ty: ignore[invalid-argument-type]
     except (TypeError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(

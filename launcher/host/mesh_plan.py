@@ -87,7 +87,7 @@ def plan_mesh(cfg, device: str, comps: dict | None, strict: bool = True) -> Mesh
     if per_rank is not None and chip.memory_gib is not None:
         need, have = need_gib(cfg, per_rank), usable_gib(cfg, chip, dp * tp // cfg.mesh.nodes)
         if need > have:
-            better = _smallest_fitting_tp(cfg, device, chip, comps)
+            better = _smallest_fitting_tp(cfg, device, chip, comps)  # ty: ignore[invalid-argument-type]
             hint = f"use mesh.tp={better} or mesh.tp=auto" if better and better != tp else _no_fit_hint(cfg)
             misfit = (
                 f"mesh dp={dp} tp={tp} does not fit: {_need_text(cfg, per_rank)} > {have:.1f} GiB "

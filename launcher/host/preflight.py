@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from launcher.testing import hold_until
 
@@ -24,15 +25,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Preflight:
-    cfg: object
+    cfg: Any
     dry_run: bool = False
     device: str = ""
-    model: object = None  # model_checks.Model
-    mesh: object = None  # mesh_plan.MeshPlan
-    sizes: object = None  # sources.prompts.SizeRule
-    store: object = None  # ledger.store.Store
-    ledger: object = None  # ledger.states.Ledger
-    plan: object = None  # plan.plan.Plan
+    model: Any = None  # model_checks.Model
+    mesh: Any = None  # mesh_plan.MeshPlan
+    sizes: Any = None  # sources.prompts.SizeRule
+    store: Any = None  # ledger.store.Store
+    ledger: Any = None  # ledger.states.Ledger
+    plan: Any = None  # plan.plan.Plan
     notes: list[str] = field(default_factory=list)  # what a dry run says beyond the mesh line
 
     @property

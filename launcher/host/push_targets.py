@@ -109,7 +109,8 @@ class HubTarget:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         adds = [
-            CommitOperationAdd(n, str(run.local(n)) if run.is_local else run.read_bytes(n)) for n in sorted(batch.send)
+            CommitOperationAdd(n, str(run.local(n)) if run.is_local else run.read_bytes(n))  # ty: ignore[invalid-argument-type]
+            for n in sorted(batch.send)
         ]
         self.api.preupload_lfs_files(self.repo_id, adds, repo_type="dataset", revision=self.revision)
         self._commit([*adds, *(CommitOperationDelete(n) for n in batch.remove)], message)

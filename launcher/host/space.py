@@ -71,8 +71,9 @@ def stopped_by_space(cfg, store: Store, states: dict[int, dict], run_id: str, la
     if not (said or launcher_failed or refused or short):
         return None
     if free_inodes(store) == 0:  # ENOSPC too, with bytes to spare: a file per image used up the file system's inodes
+        space = _size(free) if free is not None else "unknown"
         return (
-            f"error: {store} is out of inodes (0 free, {_size(free)} of space free); remove files (or move the output "
+            f"error: {store} is out of inodes (0 free, {space} of space free); remove files (or move the output "
             "to a file system with more inodes, or use output.image_files=false) and run the same command again"
         )
     room = f"{_size(free)} free" if free is not None else "the store refused writes: a quota?"

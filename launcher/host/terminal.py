@@ -101,7 +101,7 @@ class RankLogs(LogsSpecs):
             # Lines of the stderr files carry their rank already (launcher/logs.py's format); stdout's do not.
             if not self.verbose and files is dest.stdouts:
                 continue
-            self.tailers.append(TailLog("rank", files, _BarSafe(), prefix, log_line_filter=keep).start())
+            self.tailers.append(TailLog("rank", files, _BarSafe(), prefix, log_line_filter=keep).start())  # ty: ignore[invalid-argument-type]
         return dest
 
     def stop(self) -> None:

@@ -135,7 +135,9 @@ def warn_damaged(store: Store, problem: str) -> None:
 
 def load(store: Store | None, shard_size: int) -> Index:
     """The committed id map, or an empty one (none yet, none readable, or made with another shard size)."""
-    data = store.read_json(INDEX) if store is not None else None
+    if store is None:
+        return Index(None)
+    data = store.read_json(INDEX)
     if not isinstance(data, dict) or data.get("version") != VERSION or data.get("shard_size") != shard_size:
         return Index(store)
     problem = _problem(store, data)

@@ -46,7 +46,7 @@ def clip_and_t5(clip_projection: bool = False, t5_dim: int = 32):
         relative_attention_num_buckets=8,
         pad_token_id=t5_tok.pad_token_id,
         eos_token_id=t5_tok.eos_token_id,
-        decoder_start_token_id=0,
+        decoder_start_token_id=0,  # ty: ignore[unknown-argument]
     )
     t5 = T5EncoderModel(t5_config).eval()
     return clip, clip_tok, t5, t5_tok
@@ -100,7 +100,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         tokenizer=clip_tok,
         text_encoder_2=t5,
         tokenizer_2=t5_tok,
-        transformer=transformer,
+        transformer=transformer,  # ty: ignore[invalid-argument-type]
     )
     return save_atomically(pipe, out_dir, "FLUX.1")
 

@@ -117,7 +117,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        transformer=transformer,
+        transformer=transformer,  # ty: ignore[invalid-argument-type]
     )
     return save_atomically(pipe, out_dir, "FLUX.2")
 

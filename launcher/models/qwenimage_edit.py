@@ -41,7 +41,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        processor=processor,
+        processor=processor,  # ty: ignore[invalid-argument-type]
         transformer=transformer,
     )
     return save_atomically(pipe, out_dir, "Qwen-Image-Edit-Plus")

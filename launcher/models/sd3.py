@@ -57,7 +57,7 @@ def build_tiny(out_dir: str | os.PathLike) -> Path:
         tokenizer_2=clip_tokenizer(),
         text_encoder_3=t5,
         tokenizer_3=t5_tok,
-        transformer=transformer,
+        transformer=transformer,  # ty: ignore[invalid-argument-type]
     )
     return save_atomically(pipe, out_dir, "SD3")
 

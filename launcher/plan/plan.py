@@ -179,14 +179,14 @@ def _make_plan(cfg, states: dict[int, dict], src: Source, sizes: SizeRule | None
         fp = prompts_fingerprint(t)
         st = states.get(i)
         judged = "damaged" if i in damaged else shard_status(st, t, whole, fp)
-        if judged == "stale" and rejected_mod.was_without(store, st, i, rows, size, prompts_fingerprint):
+        if judged == "stale" and rejected_mod.was_without(store, st, i, rows, size, prompts_fingerprint):  # ty: ignore[invalid-argument-type]
             judged = "grown"  # its only change: rows that it was generated without are fixed now
         shards.append(ShardPlan(i, t.num_rows, fp, judged, state_token(st)))
         if shards[-1].status == "stale" and len(stale_tables) < stale_mod.SHOWN:
             stale_tables[i] = t
     if set_aside and not any(s.rows for s in shards):
         rejected_mod.refuse_all(cfg.dataset.path, set_aside)
-    say_damage(store, {s.index: damaged[s.index] for s in shards if s.status == "damaged"})
+    say_damage(store, {s.index: damaged[s.index] for s in shards if s.status == "damaged"})  # ty: ignore[invalid-argument-type]
     status = {s.index: s.status for s in shards}
     selection = parse_selection(cfg.run.shards, len(shards))
     stale = [i for i, st in status.items() if st == "stale"]

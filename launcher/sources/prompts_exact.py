@@ -50,7 +50,7 @@ def _exact_row(where: str, r, n: int, src: Source) -> dict:
     row = {"id": rid, "prompt": prompt}
     row.update({k: _override(where, k, r[k]) for k in OVERRIDE_COLUMNS if r.get(k) is not None})
     if src.sizes and ("height" in row or "width" in row):
-        problem = src.sizes.problem(row.get("height", src.sizes.height), row.get("width", src.sizes.width))
+        problem = src.sizes.problem(row.get("height", src.sizes.height), row.get("width", src.sizes.width))  # ty: ignore[invalid-argument-type]
         if problem:
             raise ConfigError(f"{where}: {problem} (or leave the row's height and width empty)")
     return row

@@ -184,17 +184,17 @@ def _csv(f: str, col: str, offset: int = 0, role: str = "prompt") -> Iterator[tu
             yield where, values
         elif not values:  # a blank line
             continue
-        elif len(values) != len(header):
+        elif len(values) != len(header):  # ty: ignore[invalid-argument-type]
             yield (
                 where,
                 Bad(
-                    f"expected {len(header)} fields ({', '.join(header)}), got {len(values)}; "
+                    f"expected {len(header)} fields ({', '.join(header)}), got {len(values)}; "  # ty: ignore[invalid-argument-type]
                     "fix that line (quote fields that hold commas)"
                 ),
             )
         else:
             # CSV has no types: empty cells are missing values; numbers are checked and converted later.
-            cells = zip(header, values, strict=True)
+            cells = zip(header, values, strict=True)  # ty: ignore[invalid-argument-type]
             yield where, {k: (None if v == "" and k in OVERRIDE_COLUMNS else v) for k, v in cells}
         for n in span:
             del bad[n]

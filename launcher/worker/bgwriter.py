@@ -88,7 +88,7 @@ class BackgroundWriter:
         # Plain values, not the config's dataclass: unpickling that would import launcher.config, and Hydra with it,
         # in the writer process (0.1 s of its start).
         is_cfg = OmegaConf.is_config(output_cfg)
-        plain = SimpleNamespace(**(OmegaConf.to_container(output_cfg, resolve=True) if is_cfg else vars(output_cfg)))
+        plain = SimpleNamespace(**(OmegaConf.to_container(output_cfg, resolve=True) if is_cfg else vars(output_cfg)))  # ty: ignore[invalid-argument-type]
         self._start = (store.uri, plain, encode_workers, os.getpid())
         self._process = self._new_process()
         self.fatal: BaseException | None = None

@@ -51,7 +51,7 @@ def apply_cache(pipe, cfg) -> None:
         if OmegaConf.is_config(cfg.execution.cache_options)
         else cfg.execution.cache_options
     )
-    pipe.transformer.enable_cache(cache_config(name, options, cfg.generate.num_inference_steps))
+    pipe.transformer.enable_cache(cache_config(name, options, cfg.generate.num_inference_steps))  # ty: ignore[invalid-argument-type]
     logger.info("step cache %s on the transformer, options %s", name, options)
 
 

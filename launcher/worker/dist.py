@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from launcher.errors import ConfigError
 
@@ -115,8 +116,8 @@ class Groups:
     dp_rank: int
     tp_rank: int
     tp_size: int  # kept: mesh["tp"] builds a sub-mesh on every call (0.1 ms), too slow for once a batch
-    tp_control: object  # gloo group of this rank's tp group
-    world_control: object  # gloo group of all ranks
+    tp_control: Any  # gloo group of this rank's tp group
+    world_control: Any  # gloo group of all ranks
 
     @property
     def is_writer(self) -> bool:

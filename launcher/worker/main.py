@@ -35,7 +35,7 @@ def main() -> None:
 
     from launcher.errors import exit_with
 
-    exit_with(record(run)(sys.argv[1:]))  # record: torchrun names the rank that failed first, with its traceback
+    exit_with(record(run)(sys.argv[1:]))  # record: torchrun names the rank that failed first, with its traceback  # ty: ignore[invalid-argument-type]
 
 
 def entry(*argv: str) -> int:

@@ -52,7 +52,7 @@ def park(module: torch.nn.Module) -> Parked:
 @torch.no_grad()
 def unpark(parked: Parked) -> None:
     for t, host in parked.entries:
-        t.set_(host.to(t.device, copy=True))
+        t.set_(host.to(t.device, copy=True))  # ty: ignore[invalid-argument-type]
     MOVED["bytes"] += parked.nbytes
     parked.entries.clear()
 

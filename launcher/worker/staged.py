@@ -144,7 +144,7 @@ def _staged(pipe, batches: list, cfg, job, set_lora):
     pipe.maybe_free_model_hooks = lambda: [
         c._reset_stateful_cache() for c in pipe.components.values() if hasattr(c, "_reset_stateful_cache")
     ]
-    embeds: dict[int, dict] = {}
+    embeds: dict[tuple, dict] = {}
     latents: dict[int, object] = {}
     try:
         if swap:

@@ -1,0 +1,90 @@
+"""Which files `dataset.path` names (launcher/sources/prompts.py), and an earlier run's folder as a source: each
+refusal is one line naming the path and how to fix it; an earlier meshgen run is read as its Parquet shards, in
+shard order, and its rows' settings columns (how its images were made) override nothing of the job that reads it."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from launcher.errors import ConfigError
+from launcher.sources.prompts import Source, read_batches, source_files
+
+
+def _refusal(path) -> str:
+    with pytest.raises(ConfigError) as e:
+        source_files(str(path))
+    return str(e.value)
+
+
+def test_each_path_that_names_no_prompt_file_is_refused_in_one_line(tmp_path):
+    assert _refusal(tmp_path / "none.jsonl") == (
+        f"dataset.path {tmp_path}/none.jsonl does not exist; pass an existing file with dataset.path=..."
+    )
+    assert _refusal(f"{tmp_path}/*.csv") == (
+        f"dataset.path {tmp_path}/*.csv does not exist; pass an existing file with dataset.path=..."
+    )
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _refusal(f"{tmp_path}/*") == (
+        f"dataset.path {tmp_path}/* matches folders only; end the glob with the files' names"
+    )
+    assert _refusal(tmp_path / "a") == (
+        f"dataset.path {tmp_path}/a is a folder but not one written by datasets.save_to_disk; "
+        "pass a file (.txt, .jsonl, .csv, .parquet), a glob, or a save_to_disk folder"
+    )
+    for name, shown in (("p.tsv", "'.tsv'"), ("prompts", "'(no extension)'")):
+        (tmp_path / name).write_text("a cat\n")
+        assert _refusal(tmp_path / name) == (
+            f"dataset {tmp_path}/{name}: unknown format {shown}; use one of .txt, .jsonl, .csv, .parquet"
+        )
+
+
+def test_a_glob_keeps_its_files_and_saved_datasets_and_passes_over_plain_folders(tmp_path):
+    (tmp_path / "plain").mkdir()
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (tmp_path / "x.txt").write_text("a cat\n")
+    assert source_files(f"{tmp_path}/*") == [str(saved), f"{tmp_path}/x.txt"]
+
+
+def _earlier_run(folder, shards: dict[int, list[str]]) -> None:
+    """An earlier meshgen run's output folder: run.json and its Parquet shards, with the columns a run writes."""
+    (folder / "data").mkdir(parents=True)
+    (folder / "run.json").write_text("{}")
+    for index, ids in shards.items():
+        n = len(ids)
+        pq.write_table(
+            pa.table({
+                "id": ids, "prompt": [f"prompt of {i}" for i in ids], "seed": pa.array([7] * n, pa.int64()),
+                "height": pa.array([512] * n, pa.int64()), "width": pa.array([768] * n, pa.int64()),
+                "num_inference_steps": pa.array([28] * n, pa.int64()), "guidance_scale": [3.5] * n,
+                "negative_prompt": ["blurry"] * n, "image": [b"png"] * n,
+            }),
+            folder / "data" / f"shard-{index:05d}.parquet",
+        )  # fmt: skip
+
+
+def test_an_earlier_run_is_read_as_its_shards_in_order_and_its_settings_override_nothing(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, {10: ["k", "l"], 2: ["c"], 0: ["a", "b"]})
+    want = [f"{run}/data/shard-{i:05d}.parquet" for i in (0, 2, 10)]
+    assert source_files(f"{run}/") == want and source_files(f"{run}/data/*.parquet") == want
+    assert source_files(f"{run}/data/shard-00002.parquet") == [want[1]]
+
+    def rows(row_settings: bool) -> list[dict]:
+        src = Source(f"{run}/", id_column="id", row_settings=row_settings)
+        return pa.Table.from_batches(list(read_batches(src))).to_pylist()
+
+    made = rows(row_settings=False)  # as job=edit reads an earlier run: its rows' settings are how it was made
+    assert [(r["id"], r["prompt"]) for r in made] == [(i, f"prompt of {i}") for i in "abckl"]
+    overrides = ("seed", "height", "width", "negative_prompt", "num_inference_steps", "guidance_scale")
+    assert all(r[k] is None for r in made for k in overrides)
+    kept = rows(row_settings=True)[0]  # any other source's columns of those names set its rows' settings
+    assert (kept["seed"], kept["height"], kept["width"], kept["num_inference_steps"]) == (7, 512, 768, 28)
+    assert (kept["guidance_scale"], kept["negative_prompt"]) == (3.5, "blurry")
