@@ -2,6 +2,7 @@
 winner of a claim race (on disk and on the local S3 and GCS servers), the object stores' conditional create and
 the lock's exit 4 on them. Written against behaviour (who wins, what code), not against the records' fields."""
 
+import json
 import multiprocessing
 import os
 import threading
@@ -271,3 +272,72 @@ def test_done_shards_whose_prompts_changed_are_refused_by_default_naming_them(sh
         "or run.stale=keep to keep the old images"
     )
     assert select_shards({0: "done", 1: "pending"}, "pending") == [1]  # nothing stale: nothing refused
+
+
+def test_the_plan_by_row_judges_each_shard_against_its_state_and_the_listing(tmp_path):
+    """DESIGN: done means verified (a done shard whose files are missing or of another size is damaged and made
+    again by the same command); a grown source is not a change (a done shard that gained rows at its end is
+    grown); a done shard whose prompts changed is stale. Shards of 3 rows over 11 prompts."""
+    from launcher.config import load_config
+    from launcher.plan.plan import make_plan
+
+    src, out = tmp_path / "p.txt", Store(str(tmp_path / "out"))
+    src.write_text("".join(f"prompt {i}\n" for i in range(8)))
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=3", "run.stale=keep"])
+    first = make_plan(cfg, {}, store=out)
+    assert [(s.index, s.rows, s.status) for s in first.shards] == [
+        (0, 3, "pending"),
+        (1, 3, "pending"),
+        (2, 2, "pending"),
+    ]
+    states = {}
+    for s in first.shards:
+        files = {f"data/shard-{s.index:05d}.parquet": [100 + s.index], f"images/shard-{s.index:05d}/": [s.rows, 40]}
+        states[s.index] = {"status": "done", "rows": s.rows, "prompts_fingerprint": s.fingerprint, "files": files}
+        out.write_bytes(f"data/shard-{s.index:05d}.parquet", b"x" * (100 + s.index))
+        for k in range(s.rows):
+            out.write_bytes(
+                f"images/shard-{s.index:05d}/{k}.png", b"y" * (40 // s.rows if k else 40 - 40 // s.rows * (s.rows - 1))
+            )
+    assert make_plan(cfg, states, store=out).status == {0: "done", 1: "done", 2: "done"}
+
+    (tmp_path / "out" / "data" / "shard-00001.parquet").unlink()  # shard 1's Parquet file is gone
+    (tmp_path / "out" / "images" / "shard-00000" / "1.png").write_bytes(b"")  # shard 0's images changed size
+    src.write_text("".join(f"prompt {i}\n" for i in range(11)))  # shard 2 grew by one row; shard 3 is new
+    plan = make_plan(cfg, states, store=out)
+    assert plan.status == {0: "damaged", 1: "damaged", 2: "grown", 3: "pending"}
+    assert plan.selected == [0, 1, 2, 3]
+    assert make_plan(cfg, states).status == {0: "done", 1: "done", 2: "grown", 3: "pending"}  # no store: no listing
+
+    src.write_text("".join(f"prompt {i}\n" for i in range(7)) + "an edited prompt\n")  # shard 2's 2nd row edited
+    plan = make_plan(cfg, states, store=out)
+    assert (plan.status[2], plan.stale, 2 in plan.selected) == ("stale", [2], False)  # run.stale=keep
+    limited = make_plan(load_config("tiny", [f"dataset.path={src}", "run.shard_size=3", "dataset.limit=4"]), states)
+    assert [(s.index, s.rows, s.status) for s in limited.shards] == [(0, 3, "done"), (1, 1, "done")]
+
+
+@pytest.mark.parametrize("ids", [True, False])
+def test_a_row_column_the_pipeline_would_not_take_is_refused_naming_the_first_row_that_sets_it(tmp_path, ids):
+    """DESIGN: a row column the family's pipeline does not take (negative_prompt on FLUX.2) is refused; a column
+    empty throughout is no column. The refusal names the first id that sets it (ids default to the row number)."""
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.plan.plan import make_plan
+    from launcher.sources.prompts import SizeRule
+
+    why = "FLUX.2 takes no negative prompt; remove the column"
+    rule = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10, (("negative_prompt", why),))
+    src = tmp_path / "p.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"p {i}"} for i in range(5)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=2", *(["dataset.id_column=id"] if ids else [])])
+    assert make_plan(cfg, {}, rule).status == {0: "pending", 1: "pending", 2: "pending"}
+    rows[2]["negative_prompt"], rows[3]["negative_prompt"] = None, "blurry"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, {}, rule)
+    assert (
+        str(e.value)
+        == f"dataset {src}: column 'negative_prompt' is set (first at id {'r3' if ids else '3'!r}), but {why}"
+    )
+    assert make_plan(cfg, {}).status == {0: "pending", 1: "pending", 2: "pending"}  # no rule: nothing refused

@@ -843,3 +843,29 @@ def test_a_file_is_unchanged_by_its_size_and_time_and_a_saved_dataset_by_all_of_
         os.utime(saved / name, ns=(ns, ns))
     os.utime(saved / "train", ns=(1_500_000_000_000_000_000,) * 2)
     assert file_stat(str(saved)) == {"size": 14, "mtime": 1_650_000_000_000_000_005}
+
+
+def test_a_file_gone_from_the_glob_leaves_its_ids_and_its_rows_found_in_another_file_keep_their_shards(
+    tmp_path, monkeypatch
+):
+    """DESIGN: with an id column an inserted, deleted or moved row changes no other shard. A whole file leaves the
+    glob: its ids that another file now holds keep their shards (done); its others leave the source (their
+    shards are done with fewer rows, never refused); a shard that must be made again reads them where they are."""
+    from launcher.errors import ConfigError
+
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "a.jsonl", ROWS[:6])  # p000-p005: shards 0 (p000-p003) and 1 (p004, p005, q0, q1)
+    write(d / "b.jsonl", MORE)  # q0-q3
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    first, _ = nights.plan()
+    assert [(s.index, s.rows) for s in first.shards] == [(0, 4), (1, 4), (2, 2)]
+    (d / "b.jsonl").unlink()
+    write(d / "a.jsonl", [*ROWS[:6], MORE[1], MORE[2]])  # q1 and q2 moved into a.jsonl; q0 and q3 left
+    del nights.states[1]  # shard 1 failed: it is gathered again, q1 from a.jsonl
+    moved, _ = nights.plan()
+    assert [s.status for s in moved.shards] == ["done", "pending", "done"] and moved.selected == [1]
+    assert nights.rows(moved, 1) == [(r["uid"], r["prompt"]) for r in (*ROWS[4:6], MORE[1])]
+    write(d / "a.jsonl", [*ROWS[:6], MORE[1], {**MORE[2], "prompt": "a moved and edited row"}])
+    with pytest.raises(ConfigError, match=r"^shards \[2\] are done but their prompts changed since \(samples q2\)"):
+        nights.plan()

@@ -88,3 +88,28 @@ def test_an_earlier_run_is_read_as_its_shards_in_order_and_its_settings_override
     kept = rows(row_settings=True)[0]  # any other source's columns of those names set its rows' settings
     assert (kept["seed"], kept["height"], kept["width"], kept["num_inference_steps"]) == (7, 512, 768, 28)
     assert (kept["guidance_scale"], kept["negative_prompt"]) == (3.5, "blurry")
+
+
+def test_lines_are_cut_from_one_mib_reads_and_a_line_over_the_bound_is_dropped_as_it_is_read(tmp_path):
+    """launcher/sources/prompts_raw.py _byte_lines: a file's lines as bytes, read 1 MiB at a time, between an
+    offset and an end; a line over LINE_BYTES (16 x the 64 KiB a prompt may hold: 1 MiB) is None, whichever
+    reads it spans. The fixture puts lines at the bound, one byte past it, and across the read boundaries."""
+    import pyarrow.fs as pafs
+
+    from launcher.sources.prompts_raw import _byte_lines
+    from launcher.sources.row_checks import LINE_BYTES
+
+    mib = 1 << 20
+    assert LINE_BYTES == mib  # DESIGN's 64 KiB prompt x 16
+    lines = [b"b" * LINE_BYTES, b"a", b"c" * (LINE_BYTES + 1), b"", b"d" * (3 * mib + 5), b"e" * 10, b"f" * 7]
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"\n".join(lines))  # the last line has no newline
+    fs = pafs.LocalFileSystem()
+    want = [b"b" * LINE_BYTES, b"a", None, b"", None, b"e" * 10, b"f" * 7]
+    assert list(_byte_lines(fs, str(path))) == want
+    start = LINE_BYTES + 1 + 2  # the offset of the third line
+    assert list(_byte_lines(fs, str(path), start)) == want[2:]
+    end = start + LINE_BYTES + 2 + 1 + 3 * mib + 5 + 1 + 4  # up to 4 bytes into the "e" line
+    assert list(_byte_lines(fs, str(path), start, end)) == [None, b"", None, b"eeee"]
+    path.write_bytes(b"x\n" + b"y" * (LINE_BYTES + 1))  # an over-long last line without a newline
+    assert list(_byte_lines(fs, str(path))) == [b"x", None]
