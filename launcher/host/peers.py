@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from launcher.errors import ConfigError
 
@@ -70,7 +71,8 @@ class PeerWatch:
         self.lost: str | None = None
         self._closing = threading.Event()
         self._lock = threading.Lock()  # a loss and the end of the run never cross
-        self._store = self._server = None
+        self._store: Any = None  # torch's TCPStore, once connected
+        self._server: Any = None
         self._others = [n for n in range(nnodes) if n != node_rank]
         self._seen: dict[int, tuple[int, float]] = {}  # node -> (its counter, when that value was first seen)
         self._said_bye: set[int] = set()

@@ -199,7 +199,7 @@ class _Own:
     def __init__(self, table: pa.Table):
         h = table["h"].to_numpy()
         self.order = np.argsort(h, kind="stable")
-        self.h = h[self.order]
+        self.h: np.ndarray = h[self.order]
         self.table = table
         self.ids = table["id"].combine_chunks()
         self.fp = table["fp"].to_numpy()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -25,7 +26,7 @@ class Spill:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._files = [open(self.folder / f"bucket-{b:02d}.u64", "ab") for b in range(1 << BUCKET_BITS)]  # noqa: SIM115
+        self._files: list[BinaryIO] = [open(self.folder / f"bucket-{b:02d}.u64", "ab") for b in range(1 << BUCKET_BITS)]  # noqa: SIM115
         self.count = 0
 
     def add(self, hashes: np.ndarray) -> None:

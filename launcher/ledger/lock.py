@@ -107,7 +107,7 @@ def live_run_ids(store: Store) -> set[str]:
 class RunLock:
     def __init__(self, store: Store, worker_index: int, run_id: str):
         self.store, self.index, self.rel = store, worker_index, lock_rel(worker_index, store)
-        self.record = {
+        self.record: dict[str, str | int] = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "run_id": run_id,

@@ -300,8 +300,8 @@ class PlanFile:
         self._reader = pa.ipc.open_file(store.fs.open_input_file(store.path(rel)))
         meta = json.loads(self._reader.schema.metadata[b"meshgen_plan"])
         self._where = {i: (k, fp, seen) for k, (i, fp, seen) in enumerate(meta["shards"])}
-        self._kept = tuple(self._reader.schema.field(n) for n in meta.get("kept", ()))
-        self.selected = sorted(self._where)
+        self._kept: tuple[pa.Field, ...] = tuple(self._reader.schema.field(n) for n in meta.get("kept", ()))
+        self.selected: list[int] = sorted(self._where)
 
     def seen(self, index: int) -> str | None:
         """The attempt whose state the plan read for this shard (None: it had none)."""

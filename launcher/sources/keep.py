@@ -111,7 +111,7 @@ class Kept:
 
     def __init__(self, src, files: list[str]):
         self.fields, self.col = kept_fields(src, tuple(files)), src.prompt_column
-        self._parts = (b for f in files for b in self._file_batches(f))
+        self._parts: Iterator[pa.RecordBatch] = (b for f in files for b in self._file_batches(f))
         self._held: list[pa.RecordBatch] = []
 
     def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -152,7 +152,9 @@ class References:
 
     def __init__(self, src, files: list[str]):
         self.src = src
-        self._rows = ((f, _base_dir(f), row) for f in files for row in column_rows(f, src.image_column))
+        self._rows: Iterator[tuple[str, str, tuple[str, int, object]]] = (
+            (f, _base_dir(f), row) for f in files for row in column_rows(f, src.image_column)
+        )
 
     def attach(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """With dataset.bad_rows=skip, a row whose references fail a check is rejected (launcher/sources/rejected.py)

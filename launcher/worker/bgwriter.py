@@ -78,7 +78,8 @@ class BackgroundWriter:
         on_lost(shard): it was taken over, and this writer left it alone."""
         self.store, self.on_recorded, self.still_held, self.on_lost = store, on_recorded, still_held, on_lost
         self.failed: list[int] = []
-        self.held_images = self.peak_images = 0  # images handed over and not yet written, and the most at once
+        self.held_images: int = 0  # images handed over and not yet written, and the most at once
+        self.peak_images: int = 0  # images handed over and not yet written, and the most at once
         self._open: set[int] = set()  # shards with batches handed over and no end yet
         self._broken: dict[int, BaseException] = {}  # shard -> the error that stopped its files being written
         self.out_of_space = False  # a write found the output full: generating more would only fail too

@@ -35,7 +35,7 @@ import torch
 
 import jobs.text_to_image as text_to_image
 from jobs.text_to_image import _family, cache_context, check_finite
-from launcher.worker.residency import park, unpark
+from launcher.worker.residency import Parked, park, unpark
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,9 @@ class _Swap:
     """Which model is parked: none, the text encoder, or the transformer (one per pipeline, kept across shards)."""
 
     def __init__(self, pipe):
-        self.pipe, self.parked, self.which = pipe, None, None
+        self.pipe = pipe
+        self.parked: Parked | None = None
+        self.which: str | None = None
 
     def only(self, name: str) -> None:
         """Keep `name` on the chip and park the other one of text_encoder / transformer."""

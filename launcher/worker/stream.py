@@ -20,6 +20,8 @@ import os
 import shutil
 import tarfile
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,7 +67,7 @@ class _Folder:
     def __init__(self, store: Store, rel: str):
         self.store, self.rel, self.names = store, rel, set()
         if store.is_local:
-            self.final = store.local(rel)
+            self.final: Path = store.local(rel)
             self.tmp = self.final.with_name(tmp_name(self.final.name))
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(parents=True)
@@ -104,7 +106,10 @@ class ShardStream:
         self.files: dict[str, list] = {}
         self._stack = contextlib.ExitStack()
         self._folder = _Folder(store, f"{IMAGES_DIR}/{shard_name}") if output_cfg.image_files else None
-        self._parquet = self._wds = self._tar = self._writer = None
+        self._parquet: Any = None
+        self._wds: Any = None
+        self._tar: tarfile.TarFile | None = None
+        self._writer: Any = None
         self._schema: pa.Schema | None = None
         self._rows: list[dict] = []  # the row group being filled
         self._metadata: list = []
