@@ -9,9 +9,12 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import test_hub_source
 
 from launcher.errors import ConfigError
 from launcher.sources.prompts import Source, read_batches, source_files
+
+hub_env = test_hub_source.hub_env  # the fake Hub with its repo of prompts: a fixture here too
 
 
 def _refusal(path) -> str:
@@ -149,3 +152,40 @@ def test_a_bad_row_past_the_fast_readers_first_block_keeps_every_row_number_acro
         })
     ]  # fmt: skip
     assert t["prompt"][3 + bad + 1].as_py() == big[bad + 1] and t["prompt"][-1].as_py() == "c1"
+
+
+def test_a_hub_file_is_known_by_its_lfs_sha256_or_else_its_git_blob_id(hub_env):
+    """What says a Hub file is unchanged without reading it: its LFS object's sha256 (a Parquet file, kept in LFS),
+    else its git blob id (sha1 of "blob <size>\\0" and the bytes), as the Hub's tree API lists them."""
+    import hashlib
+
+    from test_hub_source import FILES, REPO
+
+    from launcher.sources.globs import expand
+    from launcher.sources.hub_source import content_id, hub_filesystem
+
+    fs, p = hub_filesystem(f"hf://datasets/{REPO}")
+    expand(f"hf://datasets/{REPO}/data/*", fs, f"{p}/data/*")  # the walker's listing, as a plan makes it
+    parquet, jsonl = FILES["data/train-00000.parquet"], FILES["data/train-00001.jsonl"]
+    assert content_id(f"datasets/{REPO}/data/train-00000.parquet") == f"sha256:{hashlib.sha256(parquet).hexdigest()}"
+    blob = hashlib.sha1(b"blob %d\0" % len(jsonl) + jsonl).hexdigest()
+    assert content_id(f"datasets/{REPO}/data/train-00001.jsonl") == f"blob:{blob}"
+
+
+def test_a_hub_repo_with_no_data_file_is_refused_and_a_gated_one_says_its_http_status(hub, hub_env):
+    """A gated repo's files answer 403 to a token that has not accepted its conditions (tests/fake_hub.py, as the
+    Hub does): the line carries that status."""
+    from fake_hub import Repo
+
+    hub.repos["datasets/org/cards"] = Repo({"README.md": b"# only a card\n", "notes/a.md": b"no data\n"})
+    for path in ("hf://datasets/org/cards", "hf://datasets/org/cards/"):
+        with pytest.raises(ConfigError) as e:
+            source_files(path)
+        assert str(e.value).startswith(
+            f"dataset.path {path}: the repo holds no .txt, .jsonl, .csv, .parquet files; point dataset.path at its "
+            "prompt files ("
+        )
+    hub.repos["datasets/org/gated"] = Repo({"p.txt": b"a prompt\n"}, gated=True)
+    with pytest.raises(ConfigError) as e:
+        list(read_batches(Source("hf://datasets/org/gated/p.txt")))
+    assert "(HTTP 403: the repo is gated: accept its conditions on the Hub, then set HF_TOKEN)" in str(e.value)
