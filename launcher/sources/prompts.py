@@ -181,12 +181,11 @@ def read_prompts(
     prompt_column: str = "prompt",
     id_column: str | None = None,
     limit: int | None = None,
-    images_per_prompt: int = 1,
 ) -> list[dict]:
     """The rows as dicts (id, prompt, overrides present), for tools and tests; runs stream with read_batches."""
     check_limit(limit)
     rows = []
-    for b in read_batches(Source(path, prompt_column, id_column, images_per_prompt=images_per_prompt)):
+    for b in read_batches(Source(path, prompt_column, id_column)):
         rows += [{k: v for k, v in r.items() if v is not None} for r in b.to_pylist()]
         if limit is not None and len(rows) >= limit:
             break

@@ -41,8 +41,8 @@ def fast_batches(f: str, src: Source, start: int, offset: int = 0) -> Iterator[p
             if raw.num_rows:
                 yield normalize(raw, src, start)
                 start += raw.num_rows
-    except (pa.ArrowException, UnicodeDecodeError, ValueError, OSError, KeyError) as e:
-        raise _GiveUp(str(e)) from None
+    except (pa.ArrowException, UnicodeDecodeError, ValueError, OSError, KeyError):
+        raise _GiveUp from None
 
 
 def _raw_batches(f: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
@@ -78,7 +78,7 @@ def _txt(raw, col: str, encoding: str) -> Iterator[pa.RecordBatch]:
         # At most LINE_BYTES characters a read (no more bytes than 4x that): a longer line is never held whole.
         for ln in iter(lambda: text.readline(LINE_BYTES + 1), ""):
             if len(ln) > LINE_BYTES:
-                raise _GiveUp("a line over LINE_BYTES")
+                raise _GiveUp  # a line over LINE_BYTES
             s = ln.strip()
             if s:
                 chunk.append(s)
@@ -96,7 +96,7 @@ def _strings(values: list[str]) -> pa.Array:
     offsets = np.zeros(len(data) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in data], out=offsets[1:])
     if offsets[-1] > np.iinfo(np.int32).max:  # beyond one string array's 32-bit offsets: the exact reader's
-        raise _GiveUp("a batch of prompts over 2 GiB")
+        raise _GiveUp  # a batch of prompts over 2 GiB
     return pa.StringArray.from_buffers(len(data), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data)))
 
 
@@ -110,7 +110,7 @@ def _jsonl(fs, p: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
             lines = iter(lambda: text.readline(LINE_BYTES + 1), "")
             first = next((ln for ln in lines if ln.strip()), "{}")
             if len(first) > LINE_BYTES:
-                raise _GiveUp("a line over LINE_BYTES")
+                raise _GiveUp  # a line over LINE_BYTES
         value = json.loads(first).get(src.id_column) if first.strip().startswith("{") else None
         fields[src.id_column] = pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
     options = pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore")
@@ -153,7 +153,7 @@ def _csv(raw, src: Source, header: list[str] | None) -> Iterator[pa.RecordBatch]
         read = pcsv.ReadOptions(block_size=_BLOCK, column_names=header)
         reader = pcsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert)
         if src.prompt_column not in reader.schema.names:
-            raise _GiveUp("no prompt column")
+            raise _GiveUp  # no prompt column
         for b in reader:
             if "negative_prompt" in b.schema.names:  # an empty cell is no override, as in the exact reader
                 i = b.schema.get_field_index("negative_prompt")
@@ -166,10 +166,10 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
     """One raw batch as SCHEMA, if every value is certainly what the exact reader makes of it."""
     n, names = raw.num_rows, raw.schema.names
     if src.prompt_column not in names:
-        raise _GiveUp("no prompt column")
+        raise _GiveUp  # no prompt column
     prompt = raw.column(src.prompt_column)
     if not (pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type)) or prompt.null_count:
-        raise _GiveUp("prompt")
+        raise _GiveUp  # a prompt that is no text, or missing
     _check_length("prompt", prompt)
     for col in raw.columns:  # pyarrow's JSON and Parquet readers do not check that text is UTF-8
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -178,7 +178,7 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
         ids = raw.column(src.id_column) if src.id_column in names else pa.nulls(n)
         ok = pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) or pa.types.is_integer(ids.type)
         if not ok or ids.null_count:
-            raise _GiveUp("ids")
+            raise _GiveUp  # an id that is no text or number, or missing
         ids = ids.cast(pa.string())
         _check_ids(ids)
     else:
@@ -195,7 +195,7 @@ def normalize(raw: pa.RecordBatch, src: Source, start: int) -> pa.RecordBatch:
         w = pc.fill_null(batch.column("width"), r.width)
         bad = pc.or_(_not_multiple(h, r.multiple), _not_multiple(w, r.multiple))
         if pc.any(pc.or_(bad, pc.greater(pc.multiply(h, w), r.max_pixels))).as_py():
-            raise _GiveUp("sizes")
+            raise _GiveUp  # a size the exact reader refuses or sets aside
     return batch
 
 
@@ -204,9 +204,9 @@ def _check_ids(ids: pa.Array) -> None:
     size = pc.binary_length(ids)
     low, high = pc.min_max(size).values()
     if len(ids) and (low.as_py() == 0 or high.as_py() > ID_BYTES):
-        raise _GiveUp("ids")
+        raise _GiveUp  # an empty id, or one too long for a file name
     if pc.any(pc.match_substring_regex(ids, CONTROL)).as_py():
-        raise _GiveUp("ids")
+        raise _GiveUp  # an id with a control character
 
 
 def _not_multiple(a: pa.Array, m: int) -> pa.Array:
@@ -217,24 +217,24 @@ def _override(key: str, col: pa.Array) -> pa.Array:
     t = col.type
     if key in _INT_COLUMNS:
         if not pa.types.is_integer(t):
-            raise _GiveUp(key)
+            raise _GiveUp
         col = col.cast(pa.int64())  # a uint64 beyond int64 fails here, and goes the exact way
         low, high = pc.min_max(col).values()
         if low.as_py() is not None and low.as_py() < (0 if key == "seed" else 1):
-            raise _GiveUp(key)
+            raise _GiveUp
         if key == "num_inference_steps" and high.as_py() is not None and high.as_py() > STEPS[1]:
-            raise _GiveUp(key)
+            raise _GiveUp
         return col
     if key == "guidance_scale":
         if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
-            raise _GiveUp(key)
+            raise _GiveUp
         col = col.cast(pa.float64())
         out = pc.or_(pc.invert(pc.is_finite(col)), pc.or_(pc.less(col, GUIDANCE[0]), pc.greater(col, GUIDANCE[1])))
         if pc.any(out).as_py():
-            raise _GiveUp(key)
+            raise _GiveUp
         return col
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-        raise _GiveUp(key)
+        raise _GiveUp
     _check_length(key, col)
     return col.cast(pa.string())
 
@@ -242,4 +242,4 @@ def _override(key: str, col: pa.Array) -> pa.Array:
 def _check_length(key: str, col: pa.Array) -> None:
     """Give up on text longer than TEXT_BYTES (the exact reader names the line); binary_length counts bytes."""
     if len(col) and (pc.max(pc.binary_length(col)).as_py() or 0) > TEXT_BYTES:
-        raise _GiveUp(key)
+        raise _GiveUp
