@@ -160,3 +160,25 @@ def test_a_rename_into_place_that_fails_leaves_no_temporary_file(tmp_path, monke
                 f.write(b"y" * 100)
     assert _hidden(tmp_path) == []
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("where", ["disk", "s3"])
+def test_a_listing_leaves_out_a_live_runs_hidden_files_and_folders_and_sorts_by_name(tmp_path, where, request):
+    """Store.files: the files directly under a folder (or anywhere below it), by name, with a suffix if given;
+    temporary files of a live run (hidden names, and every file in a hidden folder) left out; folders are no
+    files. A missing folder lists nothing."""
+    if where == "s3":
+        request.getfixturevalue("s3")
+    store = Store(f"s3://meshgen-test/{tmp_path.name}" if where == "s3" else str(tmp_path))
+    for rel in ("d/b.json", "d/a.json", "d/c.txt", "d/.a.json.tmp-h-1", "d/e/f.json", "d/e/.g.json",
+                "d/.staging/x.json", "d/e/.h/y.json", "d/z.JSON"):  # fmt: skip
+        store.write_bytes(rel, b"{}")
+    names = lambda infos: [i.path.rsplit("/", 1)[1] if "/" in i.path else i.path for i in infos]  # noqa: E731
+    assert names(store.files("d")) == ["a.json", "b.json", "c.txt", "z.JSON"]
+    assert names(store.files("d", ".json")) == ["a.json", "b.json"]
+    assert names(store.files("d", ".json", recursive=True)) == ["a.json", "b.json", "f.json"]
+    assert names(store.files("d", recursive=True)) == ["a.json", "b.json", "c.txt", "f.json", "z.JSON"]
+    assert store.files("nothing") == [] and store.files("nothing", recursive=True) == []
+    assert store.mtime("d/none.json") is None and store.mtime("d/a.json") is not None
+    assert abs(store.now() - store.mtime("d/a.json")) < 600  # the store's clock, as mtime reads it
+    assert store.files("locks") == []  # the clock probe is gone
