@@ -12,7 +12,7 @@ import pytest
 import test_hub_source
 
 from launcher.errors import ConfigError
-from launcher.sources.prompts import Source, read_batches, source_files
+from launcher.sources.prompts import Source, read_batches, run_folder, source_files
 
 hub_env = test_hub_source.hub_env  # the fake Hub with its repo of prompts: a fixture here too
 
@@ -39,7 +39,8 @@ def test_each_path_that_names_no_prompt_file_is_refused_in_one_line(tmp_path):
         f"dataset.path {tmp_path}/a is a folder but not one written by datasets.save_to_disk; "
         "pass a file (.txt, .jsonl, .csv, .parquet), a glob, or a save_to_disk folder"
     )
-    for name, shown in (("p.tsv", "'.tsv'"), ("prompts", "'(no extension)'")):
+    (tmp_path / "v1.2").mkdir()
+    for name, shown in (("p.tsv", "'.tsv'"), ("prompts", "'(no extension)'"), ("v1.2/prompts", "'(no extension)'")):
         (tmp_path / name).write_text("a cat\n")
         assert _refusal(tmp_path / name) == (
             f"dataset {tmp_path}/{name}: unknown format {shown}; use one of .txt, .jsonl, .csv, .parquet"
@@ -79,6 +80,8 @@ def test_an_earlier_run_is_read_as_its_shards_in_order_and_its_settings_override
     want = [f"{run}/data/shard-{i:05d}.parquet" for i in (0, 2, 10)]
     assert source_files(f"{run}/") == want and source_files(f"{run}/data/*.parquet") == want
     assert source_files(f"{run}/data/shard-00002.parquet") == [want[1]]
+    assert run_folder(f"{run}/data/*.parquet") and run_folder(f"{run}/") and run_folder(str(run))
+    assert not run_folder(str(tmp_path)) and not run_folder("nowhere://at/all")  # an address no store reads
 
     def rows(row_settings: bool) -> list[dict]:
         src = Source(f"{run}/", id_column="id", row_settings=row_settings)
@@ -104,15 +107,15 @@ def test_lines_are_cut_from_one_mib_reads_and_a_line_over_the_bound_is_dropped_a
 
     mib = 1 << 20
     assert LINE_BYTES == mib  # DESIGN's 64 KiB prompt x 16
-    lines = [b"b" * LINE_BYTES, b"a", b"c" * (LINE_BYTES + 1), b"", b"d" * (3 * mib + 5), b"e" * 10, b"f" * 7]
+    lines = [b"b" * mib, b"a", b"g" * mib, b"c" * (mib + 1), b"", b"d" * (3 * mib + 5), b"e" * 10, b"f" * mib]
     path = tmp_path / "lines.txt"
-    path.write_bytes(b"\n".join(lines))  # the last line has no newline
+    path.write_bytes(b"\n".join(lines))  # the last line, at the bound, has no newline and spans two reads
     fs = pafs.LocalFileSystem()
-    want = [b"b" * LINE_BYTES, b"a", None, b"", None, b"e" * 10, b"f" * 7]
+    want = [b"b" * mib, b"a", b"g" * mib, None, b"", None, b"e" * 10, b"f" * mib]
     assert list(_byte_lines(fs, str(path))) == want
-    start = LINE_BYTES + 1 + 2  # the offset of the third line
-    assert list(_byte_lines(fs, str(path), start)) == want[2:]
-    end = start + LINE_BYTES + 2 + 1 + 3 * mib + 5 + 1 + 4  # up to 4 bytes into the "e" line
+    start = 2 * mib + 4  # the offset of the fourth line
+    assert list(_byte_lines(fs, str(path), start)) == want[3:]
+    end = start + (mib + 2) + 1 + (3 * mib + 6) + 4  # up to 4 bytes into the "e" line
     assert list(_byte_lines(fs, str(path), start, end)) == [None, b"", None, b"eeee"]
     path.write_bytes(b"x\n" + b"y" * (LINE_BYTES + 1))  # an over-long last line without a newline
     assert list(_byte_lines(fs, str(path))) == [b"x", None]
@@ -214,3 +217,28 @@ def test_a_hub_error_is_said_by_its_first_line_cut_at_300_characters_or_else_its
     assert _first_line(OSError("a refused request\nthe details")) == "a refused request"
     assert _first_line(ValueError("x" * 400)) == "x" * 300
     assert _first_line(TimeoutError("  \n ")) == "TimeoutError" and _first_line(KeyError()) == "KeyError"
+
+
+def test_lines_are_numbered_past_a_line_too_long_or_not_utf8_and_on_from_an_offset(tmp_path):
+    """The exact reader's lines (prompts_raw._lines): universal newlines; a line over LINE_BYTES or not UTF-8 is a
+    Bad in its place, named by its own number, and the lines after it keep theirs; read from an offset (a grown
+    file's old end) the numbers go on from the lines before it, lone carriage returns counted as lines too."""
+    from launcher.sources.prompts_raw import _lines
+    from launcher.sources.row_checks import LINE_BYTES, Bad
+
+    head = b"p0\np1\n" + b"x" * (LINE_BYTES + 1) + b"\np3\n\xff\xfe not text\np5\r\np6\rp7\n"
+    path = tmp_path / "p.txt"
+    path.write_bytes(head + b"p9\n")
+
+    def shown(lines):
+        return [(n, f"Bad: {v.reason}" if isinstance(v, Bad) else v) for n, v in lines]
+
+    got = shown(_lines(str(path)))
+    assert [n for n, _ in got] == list(range(1, 10))
+    assert [v for _, v in got if not v.startswith("Bad")] == ["p0", "p1", "p3", "p5", "p6", "p7", "p9"]
+    assert got[2][1] == "Bad: the line is longer than 1024 KiB (a prompt may hold 64 KiB); fix or remove that line"
+    assert got[4][1] == "Bad: not UTF-8 text (invalid start byte at byte 0); save the file as UTF-8"
+    assert shown(_lines(str(path), len(head))) == [(9, "p9")]  # 8 lines before it, one of them ended by a lone \r
+    plain = tmp_path / "q.txt"
+    plain.write_bytes(b"a\nb\r\nc\n" + b"d\n")
+    assert shown(_lines(str(plain), 7)) == [(4, "d")]

@@ -260,8 +260,8 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 def run_folder(path: str) -> bool:
     """Whether `path` is an earlier meshgen run's output folder, or its `data/*.parquet`."""
     folder = path.rstrip("/").removesuffix("/data/*.parquet")
-    fs, p = filesystem(folder)
-    try:
+    try:  # an address no store reads is no run folder: the reader names it, in one line
+        fs, p = filesystem(folder)
         return fs.get_file_info(f"{p}/run.json").type == pafs.FileType.File
     except (OSError, ValueError):
         return False
