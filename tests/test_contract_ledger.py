@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import threading
 
+import pyarrow as pa
 import pytest
 from conftest import launch
 
@@ -341,3 +342,42 @@ def test_a_row_column_the_pipeline_would_not_take_is_refused_naming_the_first_ro
         == f"dataset {src}: column 'negative_prompt' is set (first at id {'r3' if ids else '3'!r}), but {why}"
     )
     assert make_plan(cfg, {}).status == {0: "pending", 1: "pending", 2: "pending"}  # no rule: nothing refused
+
+
+def test_a_plan_file_holds_the_selected_shards_rows_with_their_kept_columns_and_refuses_a_source_changed_since(
+    tmp_path,
+):
+    """Pass 2 (plans/<run id>.arrow): the selected shards' rows, each with its fingerprint and the kept source
+    columns' types (DESIGN: source columns carried); a source edited between the plan and pass 2 is refused in one
+    line naming the shard, never generated from rows the plan did not judge."""
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.plan.plan import PlanFile, make_plan, write_plan_file
+
+    src = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"p {i}", "topic": f"t{i}", "n": i} for i in range(7)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=3", "dataset.keep_columns=[topic,n]"])
+    store = Store(str(tmp_path / "out"))
+    done = make_plan(cfg, {})
+    plan = make_plan(cfg, {1: {"status": "done", "rows": 3, "prompts_fingerprint": done.shards[1].fingerprint}})
+    assert plan.selected == [0, 2]
+    write_plan_file(store, "plans/r.arrow", cfg, plan)
+    pf = PlanFile(store, "plans/r.arrow")
+    assert pf.selected == [0, 2]
+    for i, want in ((0, rows[:3]), (2, rows[6:])):
+        shard = pf.shard(i)
+        assert shard.fingerprint == plan.shards[i].fingerprint
+        assert [(r["id"], r["prompt"], r["topic"], r["n"]) for r in shard.rows] == [
+            (str(k + 3 * i), w["prompt"], w["topic"], w["n"]) for k, w in enumerate(want)
+        ]
+        assert [(f.name, f.type) for f in shard.kept] == [("topic", pa.string()), ("n", pa.int64())]
+    rows[6]["prompt"] = "edited after the plan"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as e:
+        write_plan_file(store, "plans/s.arrow", cfg, plan)
+    assert str(e.value) == (
+        f"the prompt source {src} changed while this run was planned (shard 2); "
+        "run the same command again once it is complete"
+    )
+    assert not store.exists("plans/s.arrow")  # nothing half-written
