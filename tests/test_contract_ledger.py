@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from conftest import launch
 
-from launcher.errors import LockHeld
+from launcher.errors import ConfigError, LockHeld
 from launcher.ledger.claims import Claims
 from launcher.ledger.lock import RunLock
 from launcher.ledger.states import Ledger
@@ -381,3 +381,42 @@ def test_a_plan_file_holds_the_selected_shards_rows_with_their_kept_columns_and_
         "run the same command again once it is complete"
     )
     assert not store.exists("plans/s.arrow")  # nothing half-written
+
+
+def test_the_stale_refusal_names_up_to_five_changed_samples_references_and_a_likely_shift(monkeypatch):
+    """launcher/plan/stale.py: the refusal of done shards whose prompts changed names up to 5 changed samples
+    ("and N more", or "and more" where shards were not looked at), the changed reference images of an edit job, and,
+    ids being row numbers, a change that looks like shifted rows with the fix (dataset.id_column)."""
+    from launcher.config import load_config
+    from launcher.plan import stale
+
+    by_row, by_id = load_config("tiny", []), load_config("tiny", ["dataset.id_column=uid"])
+    tail = "; rerun with run.stale=regenerate to redo them, or run.stale=keep to keep the old images"
+    shift = (
+        "; the prompts look shifted, as by a line inserted or deleted before them (ids are row numbers): "
+        "set dataset.id_column to a column of stable ids so that done work keeps its ids"
+    )
+    seven = [f"s{i}" for i in range(7)]
+    assert stale.stale_message(by_row, {2: (seven, False, [])}) == (
+        f"shards [2] are done but their prompts changed since (samples s0, s1, s2, s3, s4 and 2 more){tail}"
+    )
+    assert stale.stale_message(by_row, {4: None, 1: (["a", "b"], True, [])}) == (
+        f"shards [1, 4] are done but their prompts changed since (samples a, b and more){shift}{tail}"
+    )
+    assert stale.stale_message(by_id, {1: (["a", "b"], True, [])}) == (
+        f"shards [1] are done but their prompts changed since (samples a, b){tail}"
+    )
+    refs = [f"r{i}.png" for i in range(6)]
+    assert stale.stale_message(by_id, {0: (["e"], False, refs)}) == (
+        "shards [0] are done but their reference images changed (r0.png, r1.png, r2.png, r3.png, r4.png and more) "
+        f"since (samples e){tail}"
+    )
+    assert stale.stale_message(by_id, {0: None}) == f"shards [0] are done but their prompts changed since{tail}"
+    # Only shards whose rows the plan kept are looked at; shards it did not keep count for nothing.
+    monkeypatch.setattr(stale, "changed_ids", lambda store, i, table: ([f"x{i}"], False, []))
+    with pytest.raises(ConfigError) as e:
+        stale.refuse(by_row, None, [1, 2, 3, 4, 5, 6], {6: None})
+    assert (
+        str(e.value)
+        == f"shards [1, 2, 3, 4, 5, 6] are done but their prompts changed since (samples x6 and more){tail}"
+    )
