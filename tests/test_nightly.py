@@ -869,3 +869,21 @@ def test_a_file_gone_from_the_glob_leaves_its_ids_and_its_rows_found_in_another_
     write(d / "a.jsonl", [*ROWS[:6], MORE[1], {**MORE[2], "prompt": "a moved and edited row"}])
     with pytest.raises(ConfigError, match=r"^shards \[2\] are done but their prompts changed since \(samples q2\)"):
         nights.plan()
+
+
+def test_a_folder_planned_by_row_positions_keeps_its_done_shards_when_the_id_map_is_first_built(tmp_path, monkeypatch):
+    """launcher/ids/idplan.py's migration: an output folder whose shards were planned by row positions (states with
+    the row planner's fingerprints, before the id map existed) keeps every done shard when the map is first built:
+    a done last shard of fewer rows keeps exactly those, and rows added since go to new shards."""
+    from launcher.plan.plan import shard_tables, source
+    from launcher.plan.shards import prompts_fingerprint
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # p000-p009: shards of 4, 4 and 2 rows by position
+    nights = _Nights(tmp_path, monkeypatch, src)
+    for i, t, _ in shard_tables(source(nights.cfg), 4, None):
+        nights.states[i] = {"status": "done", "rows": t.num_rows, "prompts_fingerprint": prompts_fingerprint(t)}
+    write(src, [*ROWS, *MORE])
+    plan, _ = nights.plan()
+    assert _shards(plan) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done"), (3, 4, "pending")]
+    assert plan.selected == [3] and nights.rows(plan, 3) == [(r["uid"], r["prompt"]) for r in MORE]
