@@ -887,3 +887,22 @@ def test_a_folder_planned_by_row_positions_keeps_its_done_shards_when_the_id_map
     plan, _ = nights.plan()
     assert _shards(plan) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done"), (3, 4, "pending")]
     assert plan.selected == [3] and nights.rows(plan, 3) == [(r["uid"], r["prompt"]) for r in MORE]
+
+
+def test_pass_2_hands_over_each_failed_shard_whose_ids_all_left_and_then_the_shards_with_rows(tmp_path, monkeypatch):
+    """Shards of 2: shards 0 and 1 (p000-p003) failed and all their ids left the source; shard 3 (p006, p007)
+    failed and keeps its rows. The plan file holds shards 0 and 1 with no row and shard 3 with its two."""
+    from launcher.plan.plan import PlanFile, write_plan_file
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src, "run.shard_size=2")
+    nights.plan()
+    for i in (0, 1, 3):
+        nights.states[i] = {"status": "failed"}
+    write(src, ROWS[4:])
+    plan, _ = nights.plan()
+    assert plan.selected == [0, 1, 3]
+    write_plan_file(nights.store, "plans/t.arrow", nights.cfg, plan)
+    pf = PlanFile(nights.store, "plans/t.arrow")
+    assert [[r["id"] for r in pf.shard(i).rows] for i in (0, 1, 3)] == [[], [], ["p006", "p007"]]
