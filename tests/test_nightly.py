@@ -906,3 +906,37 @@ def test_pass_2_hands_over_each_failed_shard_whose_ids_all_left_and_then_the_sha
     write_plan_file(nights.store, "plans/t.arrow", nights.cfg, plan)
     pf = PlanFile(nights.store, "plans/t.arrow")
     assert [[r["id"] for r in pf.shard(i).rows] for i in (0, 1, 3)] == [[], [], ["p006", "p007"]]
+
+
+def test_an_id_plan_holds_back_exhausted_shards_says_which_ids_left_and_names_the_attempt_it_read(
+    tmp_path, monkeypatch, caplog
+):
+    """DESIGN run.max_attempts: a shard that failed that many times alike is not retried by run.shards=pending, and
+    run.shards=failed retries it; ids that left the source are said (up to 5, "and N more") and their samples stay;
+    the plan file names the attempt whose state each shard was judged by."""
+    from launcher.config import load_config
+    from launcher.plan.plan import PlanFile, write_plan_file
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()  # shards 0 (p000-p003), 1 (p004-p007), 2 (p008, p009), all done
+    nights.states[0] = {"status": "failed", "attempts": 3, "attempt": "r1-g3"}
+    nights.states[1] = {"status": "failed", "attempts": 1, "attempt": "r1-g4"}
+    write(src, [*ROWS[:6], {"uid": "p010", "prompt": "a new one"}])  # p006-p009 left; shard 2 keeps none of its
+    with caplog.at_level("WARNING"):
+        plan, _ = nights.plan()
+    assert (plan.selected, plan.held) == ([1, 3], [0])
+    assert "4 ids left the prompt source since the last run (p006, p007, p008, p009): their samples stay" in caplog.text
+    write_plan_file(nights.store, "plans/t.arrow", nights.cfg, plan)
+    assert [PlanFile(nights.store, "plans/t.arrow").seen(i) for i in (1, 3)] == ["r1-g4", None]
+    nights.cfg = load_config(
+        "tiny", [f"dataset.path={src}", "dataset.id_column=uid", "run.shard_size=4", "run.shards=failed"]
+    )
+    plan, _ = nights.plan()
+    assert (plan.selected, plan.held) == ([0], [])  # shard 1 was made by the plan before
+    write(src, [{"uid": f"n{i}", "prompt": f"new {i}"} for i in range(3)])  # every old id leaves: 7 of them
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        nights.plan()
+    assert "7 ids left the prompt source since the last run (p000, p001, p002, p003, p004 and 2 more)" in caplog.text
