@@ -275,7 +275,7 @@ def test_done_shards_whose_prompts_changed_are_refused_by_default_naming_them(sh
     assert select_shards({0: "done", 1: "pending"}, "pending") == [1]  # nothing stale: nothing refused
 
 
-def test_the_plan_by_row_judges_each_shard_against_its_state_and_the_listing(tmp_path):
+def test_the_plan_by_row_judges_each_shard_against_its_state_and_the_listing(tmp_path, caplog):
     """DESIGN: done means verified (a done shard whose files are missing or of another size is damaged and made
     again by the same command); a grown source is not a change (a done shard that gained rows at its end is
     grown); a done shard whose prompts changed is stale. Shards of 3 rows over 11 prompts."""
@@ -305,8 +305,15 @@ def test_the_plan_by_row_judges_each_shard_against_its_state_and_the_listing(tmp
     (tmp_path / "out" / "data" / "shard-00001.parquet").unlink()  # shard 1's Parquet file is gone
     (tmp_path / "out" / "images" / "shard-00000" / "1.png").write_bytes(b"")  # shard 0's images changed size
     src.write_text("".join(f"prompt {i}\n" for i in range(11)))  # shard 2 grew by one row; shard 3 is new
-    plan = make_plan(cfg, states, store=out)
+    with caplog.at_level("WARNING"):
+        plan = make_plan(cfg, states, store=out)
     assert plan.status == {0: "damaged", 1: "damaged", 2: "grown", 3: "pending"}
+    again = "run.shards=pending generates it again"
+    assert (
+        f"{out}: shard 0 is damaged (images/shard-00000/ holds 3 files of 27 bytes, its state recorded 3 files of "
+        f"40 bytes); {again}" in caplog.text
+    )
+    assert f"{out}: shard 1 is damaged (data/shard-00001.parquet is missing); {again}" in caplog.text
     assert plan.selected == [0, 1, 2, 3]
     assert make_plan(cfg, states).status == {0: "done", 1: "done", 2: "grown", 3: "pending"}  # no store: no listing
 
