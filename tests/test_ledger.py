@@ -265,3 +265,40 @@ def test_the_exact_reader_names_a_missing_column_a_damaged_file_and_each_malform
     assert [w for w, _ in rows] == [f"dataset {tmp_path / 'r.csv'}, line {n}" for n in (2, 3, 4)]
     assert rows[0][1] == {"prompt": "a", "id": "1"} and rows[2][1] == {"prompt": "c", "id": "3"}
     assert rows[1][1].reason == "malformed CSV (field larger than field limit (131072)); fix that line"
+
+
+def test_the_index_keeps_each_file_size_and_an_image_folder_as_its_count_and_bytes():
+    """launcher/ledger/verify.py index_form: what the ledger's index keeps of a state's files: each file's size (not
+    its hash), and a shard's image folder as one entry of [files, bytes]; a folder entry is kept as it is."""
+    from launcher.ledger.verify import index_form
+
+    files = {
+        "data/shard-00001.parquet": [1000, "sha-a"],
+        "images/shard-00001/a.png": [30, "sha-b"],
+        "images/shard-00001/b.png": [12, "sha-c"],
+        "images/shard-00002/": [4, 100],
+        "webdataset/shard-00001.tar": [777, "sha-d"],
+    }
+    assert index_form(files) == {
+        "data/shard-00001.parquet": [1000],
+        "images/shard-00001/": [2, 42],
+        "images/shard-00002/": [4, 100],
+        "webdataset/shard-00001.tar": [777],
+    }
+
+
+def test_credentials_are_masked_in_every_address_and_wherever_an_endpoints_user_name_appears(monkeypatch):
+    """docs/operations.md: a refusal shows `s3://***@bucket/run`; the user information of an address in the
+    environment (an S3 endpoint) is masked wherever it appears, from 3 characters (shorter ones are words)."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.addresses import check_address, masked
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://alice:pw@minio.local:9000")
+    assert masked("s3://KEY:SECRET@bucket/run") == "s3://***@bucket/run"
+    assert masked("cannot resolve alice on minio.local; pw stays") == "cannot resolve *** on minio.local; pw stays"
+    with pytest.raises(ConfigError) as e:
+        check_address("s3://KEY:SECRET@bucket/run", "output.dir")
+    assert str(e.value).startswith("output.dir=s3://***@bucket/run carries credentials in its address; remove them")
+    with pytest.raises(ConfigError) as e:
+        check_address("s3://KEY:SECRET@bucket/run")
+    assert str(e.value).startswith("s3://***@bucket/run carries credentials in its address; remove them")
