@@ -940,3 +940,32 @@ def test_an_id_plan_holds_back_exhausted_shards_says_which_ids_left_and_names_th
     with caplog.at_level("WARNING"):
         nights.plan()
     assert "7 ids left the prompt source since the last run (p000, p001, p002, p003, p004 and 2 more)" in caplog.text
+
+
+def test_ids_whose_hashes_collide_are_still_told_apart(tmp_path, monkeypatch):
+    """The id map keeps 64-bit hashes of ids, and checks the ids themselves wherever two hashes match: with a hash
+    of 2 bits (every id collides with others) a night's plan is still the one DESIGN asks for: each id once, its
+    shard fixed, a new id new, an edited row's shard stale, a repeated id a duplicate."""
+    from launcher.errors import ConfigError
+    from launcher.ids import idpass2, idplan, rowhash
+
+    def two_bits(ids):
+        return rowhash.id_hashes(ids) & np.uint64(3)
+
+    monkeypatch.setattr(idplan, "id_hashes", two_bits)
+    monkeypatch.setattr(idpass2, "id_hashes", two_bits)
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    first, _ = nights.plan()
+    assert _shards(first) == [(0, 4, "pending"), (1, 4, "pending"), (2, 2, "pending")]
+    write(src, [*ROWS, *MORE])  # q0-q3 are new, though their hashes are those of old ids
+    grown, _ = nights.plan()
+    assert _shards(grown) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done"), (3, 4, "pending")]
+    assert nights.rows(grown, 3) == [(r["uid"], r["prompt"]) for r in MORE]
+    write(src, [*ROWS, *MORE, {**ROWS[2], "prompt": "the same id again"}])
+    with pytest.raises(ConfigError, match=r"duplicate id 'p002'"):
+        nights.plan()
+    write(src, [{**ROWS[0], "prompt": "an edited prompt"}, *ROWS[1:], *MORE])
+    with pytest.raises(ConfigError, match=r"^shards \[0\] are done but their prompts changed since \(samples p000\)"):
+        nights.plan()
