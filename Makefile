@@ -42,10 +42,11 @@ test: venv
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # Mutation checks of each room (sources, plan, ids, ledger, host, worker, jobs; pyproject's [tool.mutmut] and
-# tools/mutants.py): every surviving mutant is a change of the product that the fast tests do not notice. Each mutant runs only the fast
-# tests that call its function (mutmut's stats run), two at a time. Not part of `make test`.
+# tools/mutants.py): every surviving mutant is a change of the product that the fast tests do not notice. Each
+# mutant runs only the fast tests that call its function (mutmut's stats run), two at a time, unless ty refuses it
+# first. Not part of `make test`.
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
-# room's killed / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs only the room's
+# room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs only the room's
 # mutants that the last run did not kill (after new tests).
 ROOM ?= all
 ARGS ?=
