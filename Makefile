@@ -46,8 +46,8 @@ test: venv
 # mutant runs only the fast tests that call its function (mutmut's stats run), two at a time, unless ty refuses it
 # first. Not part of `make test`.
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
-# room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs only the room's
-# mutants that the last run did not kill (after new tests).
+# room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs
+# only the room's mutants that the last run did not kill (after new tests).
 ROOM ?= all
 ARGS ?=
 mutants: venv
