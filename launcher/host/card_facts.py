@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from launcher.ledger.runs import read_records
 from launcher.ledger.store import Store
 
-RUNS_DIR = "runs"
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Settings shown elsewhere on the card (model.path, its weights, the LoRAs) or that name a place, not a value.
 _SHOWN_ELSEWHERE = {("model", "path"), ("model", "weights"), ("model", "loras")}
@@ -63,8 +63,7 @@ def settings_lines(settings: dict) -> str:
 
 def runs_section(run: Store) -> str:
     """The runs that made the folder, by date, with what each did (from runs/<run id>.json)."""
-    records = [run.read_json(f"{RUNS_DIR}/{i.base_name}") for i in run.files(RUNS_DIR, ".json")]
-    records = sorted((r for r in records if r), key=lambda r: r.get("start", ""))
+    records = read_records(run)  # a damaged record (its run died as it wrote it) is left out, not a crash
     if not records:
         return ""
     rows = [

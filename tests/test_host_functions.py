@@ -1,0 +1,273 @@
+"""Fast tests of the launcher's own host-side functions (launcher/host/), in this process, no launch: the bounds a
+job is held to at planning, and what the dataset card says. Expected values are worked out here from the words of
+DESIGN.md or of the module's own docstring, never from the product's functions. These are the host room's tests
+under `make mutants`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from launcher.errors import ConfigError
+
+GIB, MIB = 1024**3, 1024**2
+
+
+def work_cfg(shard_size=100, **generate):
+    gen = {"height": 64, "width": 64, "batch_size": 2, "images_per_prompt": 2} | generate
+    out = {"format": "png", "queue_shards": 2}
+    return OmegaConf.create({"generate": gen, "run": {"shard_size": shard_size}, "output": out})
+
+
+@pytest.fixture
+def one_mib_an_image(monkeypatch):
+    """Each image of the configured size estimated at exactly 1 MiB of files, so a shard's bytes are its images."""
+    import launcher.host.space
+
+    monkeypatch.setattr(launcher.host.space, "estimate_bytes", lambda cfg, images: images * MIB)
+
+
+def test_a_shard_is_bounded_at_20_gib_of_files_and_the_fix_names_the_largest_shard_size(one_mib_an_image):
+    from launcher.host.work_bounds import check_work
+
+    roomy = 10**15  # the host's memory: only the shard bound is under test
+    # 2 images a prompt: 10,240 prompts are 20,480 images, 20 GiB exactly, which is within the bound
+    check_work(work_cfg(shard_size=10_240), procs_per_host=1, host_bytes=roomy)
+    with pytest.raises(ConfigError) as e:
+        check_work(work_cfg(shard_size=10_241), procs_per_host=1, host_bytes=roomy)
+    assert str(e.value) == (
+        "one shard would hold 20482 images (run.shard_size=10241 x generate.images_per_prompt=2 x 1 sweep variants)"
+        " at up to 64x64: about 20.0 GiB of png files, above the 20 GiB bound of one shard; use "
+        "run.shard_size=10240 or less"
+    )
+
+
+def test_a_sweep_to_a_larger_size_counts_its_variants_and_its_largest_images(one_mib_an_image):
+    from launcher.host.work_bounds import check_work
+
+    # 3 variants of 2 images a prompt, the largest 128x64: each prompt 6 images of up to 2 MiB, 12 MiB a prompt
+    cfg = work_cfg(shard_size=1707, sweep={"height": [32, 128, 64]})
+    check_work(work_cfg(shard_size=1706, sweep={"height": [32, 128, 64]}), procs_per_host=1, host_bytes=10**15)
+    with pytest.raises(
+        ConfigError,
+        match=r"^one shard would hold 10242 images \(run.shard_size=1707 x "
+        r"generate.images_per_prompt=2 x 3 sweep variants\) at up to 128x64: .* use "
+        r"run.shard_size=1706 or less$",
+    ):
+        check_work(cfg, procs_per_host=1, host_bytes=10**15)
+
+
+def test_a_prompt_whose_images_alone_pass_the_bound_asks_for_fewer_images(monkeypatch):
+    import launcher.host.space
+    from launcher.host.work_bounds import check_work
+
+    monkeypatch.setattr(launcher.host.space, "estimate_bytes", lambda cfg, images: images * 11 * GIB)
+    with pytest.raises(ConfigError, match="22.0 GiB .* use fewer generate.images_per_prompt or sweep values$"):
+        check_work(work_cfg(shard_size=1), procs_per_host=1, host_bytes=10**15)
+
+
+def test_one_call_is_bounded_by_half_the_hosts_memory_over_its_processes(one_mib_an_image):
+    from launcher.host.work_bounds import check_work
+
+    # 2 x 2 images of 64x64x3 values, each held as float32 (4 bytes), then in up to queue_shards + 2 = 4 uint8
+    # copies: 4 * 12,288 * 8 = 393,216 bytes; half of the host over 3 processes must hold that
+    held = 4 * 64 * 64 * 3 * (4 + 2 + 2)
+    check_work(work_cfg(), procs_per_host=3, host_bytes=held * 2 * 3)
+    with pytest.raises(ConfigError) as e:
+        check_work(work_cfg(), procs_per_host=3, host_bytes=held * 2 * 3 - 6)
+    assert str(e.value).startswith(
+        "one pipeline call makes 4 images (generate.batch_size=2 x generate.images_per_prompt=2) at up to 64x64: "
+        "a worker holds about 0.0 GiB of them (the call's float32 output, then up to output.queue_shards=2 + 2 "
+        "batches as uint8), above 0.0 GiB (half of this host's 0 GiB over its 3 processes); use a smaller "
+        "generate.batch_size or generate.images_per_prompt"
+    )
+    # the largest swept width counts, and no process count divides by zero
+    with pytest.raises(ConfigError, match=r"at up to 64x128: "):
+        check_work(work_cfg(sweep={"width": [128]}), procs_per_host=0, host_bytes=held * 2 * 2 - 2)
+    check_work(work_cfg(sweep={"width": [128]}), procs_per_host=0, host_bytes=held * 2 * 2)
+
+
+def test_the_card_names_hub_models_and_sources_by_address_and_local_ones_without_their_folder(tmp_path):
+    from launcher.host.card_facts import is_hub_id, model_name, public, source_name
+
+    assert is_hub_id("black-forest-labs/FLUX.1-schnell") and model_name("org/m_1.5") == "`org/m_1.5`"
+    (tmp_path / "org" / "model").mkdir(parents=True)  # a local folder that looks like a Hub id is local
+    assert not is_hub_id(str(tmp_path / "org" / "model")) and not is_hub_id("a/b/c") and not is_hub_id("ab")
+    assert model_name("/models/tiny") == "a local pipeline (its weights by content below)"
+    assert model_name("/models/tiny", local="local") == "local"
+    assert source_name("hf://datasets/org/prompts/a.csv") == "`hf://datasets/org/prompts/a.csv`"
+    assert source_name("/home/me/data/prompts.csv") == "`prompts.csv`" == source_name("C:\\data\\prompts.csv")
+    assert source_name("s3://bucket/set/") == "`set`"
+    # a setting may hold a path anywhere in it: only its last part is shown, Hub addresses and plain values as set
+    got = public({"a": ["/x/y.lora", "hf://org/r/f", 3, "plain"], "b": {"c": "d\\e"}, "n": None})
+    assert got == {"a": ["y.lora", "hf://org/r/f", 3, "plain"], "b": {"c": "e"}, "n": None}
+
+
+def test_the_cards_settings_are_every_fingerprinted_value_but_the_models_and_weights_by_digest():
+    from launcher.host.card_facts import settings_lines, weights_lines
+
+    settings = {
+        "model": {"path": "/m", "weights": {"vae": "sha-v", "transformer": "sha-t"}, "loras": [1], "dtype": "bf16"},
+        "generate": {"seed": 0, "negative_prompt": None, "height": 32},
+        "output": None,
+        "dataset": {"path": "/data/p.csv"},
+    }
+    assert weights_lines(settings) == "\n- weights of transformer: `sha-t`\n- weights of vae: `sha-v`"
+    assert weights_lines({"model": {}}) == weights_lines({}) == ""
+    assert settings_lines(settings) == (
+        "- model.dtype: bf16\n- generate.seed: 0\n- generate.height: 32\n- dataset.path: p.csv"
+    )
+
+
+def test_the_cards_runs_are_listed_by_start_with_what_each_made(tmp_path):
+    from launcher.host.card_facts import runs_section
+    from launcher.ledger.store import Store
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    later = {"start": "2026-12-02T10:00", "exit_code": 3, "generated": 5, "failed_now": ["1", "4"], "images": 6}
+    later |= {"stale": 2, "rejected": {"r1": "x", "r2": "y"}, "damaged_regenerated": ["3"]}
+    earlier = {"start": "2026-12-01T10:00", "exit_code": 0, "generated": 2, "images": 4, "rejected": 7}
+    (runs / "b-run.json").write_text(json.dumps(later))
+    (runs / "z-run.json").write_text(json.dumps(earlier))
+    (runs / "damaged.json").write_text("{not json")
+    (runs / "notes.txt").write_text("{}")
+    assert runs_section(Store(tmp_path)).splitlines()[3:] == [
+        "| started | exit | shards made | images | failed | stale (kept) | rejected rows | damaged, regenerated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| 2026-12-01T10:00 | 0 | 2 | 4 | 0 | 0 | 7 | 0 |",
+        "| 2026-12-02T10:00 | 3 | 3 | 6 | 2 | 2 | 2 | 1 |",
+    ]
+    assert runs_section(Store(tmp_path)).startswith("\nThe runs that made it, by start:\n\n")
+    assert runs_section(Store(tmp_path / "none")) == ""
+
+
+def test_the_dry_run_says_how_shards_spread_over_replicas_and_warns_of_idle_ones():
+    from launcher.host.cost import replica_lines
+
+    assert replica_lines(10, 40, 4, 2, 2) == [
+        "# replicas: 4 (dp=2 x 2 workers); 10 shards to generate, 2.5 per replica"
+    ]
+    assert replica_lines(1, 3, 1, 1, 1) == ["# replicas: 1 (dp=1 x 1 worker); 1 shard to generate, 1.0 per replica"]
+    assert replica_lines(0, 0, 8, 8, 1)[1:] == []  # nothing to generate: nobody idles for want of a shard
+    # 3 shards of 21 prompts for 8 replicas: 5 idle; a shard of ceil(21 / 8) = 3 prompts makes 8 shards (7 full)
+    assert replica_lines(3, 21, 8, 8, 1) == [
+        "# replicas: 8 (dp=8 x 1 worker); 3 shards to generate, 0.4 per replica",
+        "# warning: 5 of 8 replicas will sit idle: 3 shards for 8 replicas; run.shard_size=3 makes 8 shards of these"
+        " 21 prompts (in a new output folder: the shard size is part of its fingerprint)",
+    ]
+    assert len(replica_lines(8, 8, 8, 8, 1)) == 1  # one shard each: none idle
+
+
+def test_the_dry_runs_durations_and_sizes_take_the_largest_unit_they_fill():
+    from launcher.host.cost import duration
+    from launcher.host.space import size_text
+
+    assert [duration(s) for s in (0.4, 59.6, 60, 5400, 3600 * 30, 86400 * 2.25)] == [
+        "0 s",
+        "60 s",
+        "1.0 min",
+        "1.5 h",
+        "1.2 days",
+        "2.2 days",
+    ]
+    assert [size_text(n) for n in (0, 1023, 1024, 1536 * 1024, 3 * GIB, 5 * 1024**4, 2048 * 1024**4)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KB",
+        "1.5 MB",
+        "3.0 GB",
+        "5.0 TB",
+        "2048.0 TB",
+    ]
+
+
+def test_a_models_bytes_on_disk_count_each_blob_once_and_skip_a_link_to_nothing(tmp_path):
+    from launcher.host.cost import disk_bytes
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc" / "unet"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    (blobs / "w").write_bytes(b"x" * 1000)
+    (blobs / "c").write_bytes(b"y" * 24)
+    (snap / "w.safetensors").symlink_to(blobs / "w")  # a hub snapshot links to its blobs
+    (snap / "config.json").symlink_to(blobs / "c")
+    (snap / "gone.bin").symlink_to(blobs / "not-downloaded")
+    assert disk_bytes(tmp_path) == 1024 and disk_bytes(tmp_path / "snapshots") == 1024
+
+
+def test_the_output_line_says_the_images_size_the_room_and_warns_when_they_do_not_fit(tmp_path):
+    from launcher.host.cost import output_lines
+    from launcher.ledger.store import Store
+
+    cfg = OmegaConf.create({"generate": {"height": 100, "width": 100}, "output": {"format": "jpeg"}})
+    # JPEG is 0.35 bytes a pixel (space.py's docstring): 1,000 images of 100x100 are 3,500,000 bytes = 3.3 MB
+    lines = output_lines(cfg, Store(tmp_path / "out"), 1000)
+    assert lines[0].startswith(f"# output: about 3.3 MB for 1000 images (jpeg, 100x100) at {tmp_path / 'out'}; ")
+    assert lines[0].endswith(" free there") and len(lines) == 1
+    huge = output_lines(cfg, Store(tmp_path), 10**15)
+    assert huge[1].startswith(f"# warning: {tmp_path} has ") and huge[1].endswith(
+        " free but the images need about 3183231.5 TB: the run would stop when it is full; free some space or "
+        "choose another output.dir"
+    )
+    assert (
+        output_lines(cfg, None, 1)[0] == "# output: about 3.4 KB for 1 images (jpeg, 100x100) at None; free space"
+        " not known there (an object store)"
+    )
+
+
+def test_hub_ids_are_org_name_or_name_and_anything_like_a_path_is_a_path():
+    from launcher.host.model_files import looks_like_hub_id
+
+    ids = ["black-forest-labs/FLUX.1-dev", "gpt2"]
+    paths = ["/abs/model", "./rel", "../up", "~/home", "a/b/c", "org/name/", ".hidden"]
+    assert [looks_like_hub_id(p) for p in ids + paths] == [True] * len(ids) + [False] * len(paths)
+
+
+def pipeline_folder(root, transformer_files=("a.safetensors", "b.safetensors")):
+    """A pipeline as on disk: model_index.json, a scheduler (configs only), a VAE with one weight file and a
+    transformer whose index names two weight shards, of which `transformer_files` are there."""
+    components = {"_class_name": "P", "scheduler": ["d", "S"], "vae": ["d", "V"], "transformer": ["d", "T"]}
+    components["text_encoder_2"] = [None, None]  # an optional component the pipeline leaves out
+    (root / "scheduler").mkdir(parents=True)
+    (root / "scheduler" / "scheduler_config.json").write_text("{}")
+    for name in ("vae", "transformer"):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text("{}")
+    (root / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"w")
+    index = {"weight_map": {"x": "a.safetensors", "y": "b.safetensors", "z": "a.safetensors"}}
+    (root / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    for f in transformer_files:
+        (root / "transformer" / f).write_bytes(b"w")
+    (root / "model_index.json").write_text(json.dumps(components))
+
+
+def test_a_pipeline_missing_a_component_or_a_weight_shard_is_incomplete_by_file_names(tmp_path):
+    from launcher.host.model_files import check_components, read_json
+
+    pipeline_folder(tmp_path / "whole")
+    check_components("m", tmp_path / "whole")
+    pipeline_folder(tmp_path / "half", transformer_files=("a.safetensors",))
+    with pytest.raises(ConfigError) as e:
+        check_components("org/m", tmp_path / "half")
+    assert str(e.value) == (
+        "model.path org/m is an incomplete pipeline: transformer/ lacks weight files ['b.safetensors']; download "
+        "the whole pipeline again"
+    )
+    # a weight file no index names makes the component whole (a repo may carry the index of another format)
+    (tmp_path / "half" / "transformer" / "model.safetensors").write_bytes(b"w")
+    check_components("org/m", tmp_path / "half")
+    (tmp_path / "half" / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"^model.path org/m is an incomplete pipeline: vae/ lacks weight files;"):
+        check_components("org/m", tmp_path / "half")
+    pipeline_folder(tmp_path / "gone")
+    (tmp_path / "gone" / "scheduler" / "scheduler_config.json").unlink()
+    (tmp_path / "gone" / "scheduler").rmdir()
+    with pytest.raises(ConfigError, match=f"lists scheduler but {tmp_path / 'gone' / 'scheduler'} is missing; "):
+        check_components("m", tmp_path / "gone")
+    assert read_json(tmp_path / "none.json") == {}
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'bad.json'} is not valid JSON .*; download the pipeline"):
+        read_json(tmp_path / "bad.json")

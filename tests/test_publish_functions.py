@@ -1,0 +1,152 @@
+"""Fast tests of publishing (launcher/host/publish.py, push_targets.py) in this process, from a run folder written
+here by hand as DESIGN.md lays it out (run.json, state/shard-N.json with each file's [size, sha256], data/, images/),
+to a folder target: which files go, in which batches, what a second push sends, and what it removes. The Hub and
+object-store targets are run end to end in test_publish.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import ConfigError
+
+
+def shard(run: Path, index: int, files: dict[str, bytes], status: str = "done", record: dict | None = None) -> None:
+    """A shard's files and its state, which records each file's size and sha256 (or `record` as given)."""
+    for name, data in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    entries = record or {n: [len(d), hashlib.sha256(d).hexdigest()] for n, d in files.items()}
+    (run / "state").mkdir(parents=True, exist_ok=True)
+    state = {"status": status, "rows": 1, "files": entries}
+    (run / "state" / f"shard-{index:05d}.json").write_text(json.dumps(state))
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    shard(out, 0, {"data/shard-00000.parquet": b"P0", "images/shard-00000/a.png": b"img-a"})
+    shard(out, 1, {"data/shard-00001.parquet": b"P1-longer"})
+    shard(out, 2, {"data/shard-00002.parquet": b"P2"}, status="failed")
+    (out / "logs").mkdir()
+    (out / "logs" / "w.log").write_text("never sent")
+    return out
+
+
+def sent_files(site: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(site)): p.read_bytes() for p in sorted(site.rglob("*")) if p.is_file()}
+
+
+def test_a_push_sends_each_done_shards_recorded_files_once_and_nothing_else(run, tmp_path):
+    from launcher.host.publish import publish
+
+    site = tmp_path / "site"
+    said = []
+    sent = publish(str(run), str(site), card=False, say=said.append)
+    assert sent == {"shards": 2, "files": 3, "bytes": 2 + 5 + 9, "card": False}
+    files = sent_files(site)
+    manifests = {n: json.loads(files.pop(n)) for n in list(files) if n.startswith(".meshgen-published/")}
+    assert files == {
+        "data/shard-00000.parquet": b"P0",
+        "images/shard-00000/a.png": b"img-a",
+        "data/shard-00001.parquet": b"P1-longer",
+    }
+    assert manifests[".meshgen-published/shard-00001.json"] == {
+        "data/shard-00001.parquet": [9, hashlib.sha256(b"P1-longer").hexdigest()]
+    }
+    assert set(manifests) == {".meshgen-published/shard-00000.json", ".meshgen-published/shard-00001.json"}
+    assert said == [f"{site}: commit 1/1: shards 0..1 (2) (3 files)"]
+    # the same push again: everything there is the same size and hash
+    assert publish(str(run), str(site), card=False) == {"shards": 0, "files": 0, "bytes": 0, "card": False}
+
+
+def test_a_regenerated_shard_replaces_its_files_and_removes_those_it_no_longer_has(run, tmp_path):
+    from launcher.host.publish import publish
+
+    site = tmp_path / "site"
+    publish(str(run), str(site), card=False)
+    (site / "images" / "shard-00001").mkdir(parents=True)
+    (site / "images" / "shard-00001" / "someone-elses.png").write_bytes(b"x")  # not in the shard's files
+    (site / "data" / "shard-000010.parquet").write_bytes(b"x")  # shard 10's place, not shard 1's
+    (run / "images" / "shard-00000" / "a.png").unlink()
+    shard(run, 0, {"data/shard-00000.parquet": b"P0-new"})  # regenerated with its images embedded
+    sent = publish(str(run), str(site), only=[0, 1], card=False)
+    assert sent == {"shards": 2, "files": 1, "bytes": 6, "card": False}
+    assert sent_files(site)["data/shard-00000.parquet"] == b"P0-new"
+    assert not (site / "images" / "shard-00000" / "a.png").exists()
+    assert not (site / "images" / "shard-00001" / "someone-elses.png").exists()
+    assert (site / "data" / "shard-000010.parquet").exists()
+
+
+def test_a_damaged_shard_is_left_out_with_a_warning_and_no_images_keeps_a_shard_without_data(run, tmp_path, caplog):
+    from launcher.host.publish import dataset_shards, publish
+
+    (run / "data" / "shard-00001.parquet").write_bytes(b"cut")  # 3 bytes where its state recorded 9
+    shard(run, 3, {"images/shard-00003/b.png": b"only-images"})  # output.parquet=false: the images are the dataset
+    with caplog.at_level(logging.WARNING):
+        shards = dataset_shards(run_store(run), images=False)
+    assert {s.index: sorted(s.files) for s in shards} == {
+        0: ["data/shard-00000.parquet"],
+        3: ["images/shard-00003/b.png"],
+    }
+    assert "data/shard-00001.parquet has 3 bytes, its state recorded 9 bytes" in caplog.text
+    assert [s.index for s in dataset_shards(run_store(run), only=[3, 2, 1])] == [3]
+    assert publish(str(run), str(tmp_path / "site"), images=False, card=False)["files"] == 2
+
+
+def run_store(run: Path):
+    from launcher.ledger.store import Store
+
+    return Store(run)
+
+
+def test_batches_hold_whole_shards_within_the_file_and_byte_bounds(monkeypatch):
+    from launcher.host import publish
+    from launcher.host.push_targets import StoreTarget
+
+    class Target:
+        same = staticmethod(StoreTarget.same)
+
+        def listing(self):
+            return {"data/shard-00001.parquet": (1, "h"), "data/shard-00004.parquet": (9, "old")}
+
+    monkeypatch.setattr(publish, "COMMIT_FILES", 3)
+    monkeypatch.setattr(publish, "COMMIT_BYTES", 100)
+    one = {"data/shard-00000.parquet": (10, "a"), "images/shard-00000/x.png": (10, "b")}
+    same = {"data/shard-00001.parquet": (1, "h")}  # at the target already: no batch
+    four = {f"images/shard-00002/{i}.png": (1, str(i)) for i in range(4)}  # past the file bound: a batch alone
+    big = {"data/shard-00003.parquet": (90, "c"), "webdataset/shard-00003.tar": (5, "d")}
+    # shards 3 and 4 together are 3 files of 100 bytes: at both bounds, not past them
+    changed = {"data/shard-00004.parquet": (5, "new")}
+    shards = [publish.ShardFiles(i, f) for i, f in enumerate([one, same, four, big, changed])]
+    batches = publish.plan_batches(shards, Target())
+    assert [b.shards for b in batches] == [[0], [2], [3, 4]]
+    assert sorted(batches[2].send) == [
+        "data/shard-00003.parquet",
+        "data/shard-00004.parquet",
+        "webdataset/shard-00003.tar",
+    ]
+    assert [b.nbytes for b in batches] == [20, 4, 100] and batches[2].files[4] == changed
+    assert publish._span([3]) == "3" and publish._span([3, 4, 9]) == "3..9 (3)"
+
+
+def test_a_target_inside_the_run_or_of_another_kind_is_refused_before_anything_is_sent(run, tmp_path):
+    from launcher.host.publish import publish
+
+    for target, words in (
+        (str(run / "pub"), f"cannot publish {run} into itself"),
+        ("ftp://host/x", "cannot publish to ftp://host/x: give hf://datasets/ORG/NAME, s3://BUCKET/PATH"),
+        ("hf://datasets/only-one-part", "a Hub target is hf://datasets/ORG/NAME (or ...@REVISION)"),
+    ):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            publish(str(run), target)
+    assert not (run / "pub").exists()
+    with pytest.raises(ConfigError, match="has no run.json: is it a meshgen output folder"):
+        publish(str(tmp_path), str(tmp_path / "site"))
+    assert publish(str(run), str(tmp_path / "runs-sibling"), card=False)["shards"] == 2  # a prefix, not inside
