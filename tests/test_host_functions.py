@@ -271,3 +271,65 @@ def test_a_pipeline_missing_a_component_or_a_weight_shard_is_incomplete_by_file_
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match=f"^{tmp_path / 'bad.json'} is not valid JSON .*; download the pipeline"):
         read_json(tmp_path / "bad.json")
+
+
+def test_the_runs_numbers_count_its_shards_samples_seconds_and_stages():
+    from launcher.host.metrics import numbers
+
+    ours = {
+        0: {"status": "done", "rows": 4, "seconds": 2.5, "finished_at": 100.0, "stages": {"denoise": 1.25}},
+        1: {"status": "done", "rows": 6, "seconds": 4.0, "finished_at": 90.0, "stages": {"denoise": 2.0, "x": 1}},
+        2: {"status": "failed", "rows": 3, "seconds": 1.0, "finished_at": 95.0},
+        3: {"status": "failed"},  # failed before it knew its rows or time
+    }
+    assert numbers(ours, 4.0) == {
+        "samples_done": 10,
+        "samples_failed": 3,
+        "shards_done": 2,
+        "shards_failed": 2,
+        "images_per_second": 2.5,
+        "shard_seconds_count": 3,
+        "shard_seconds_sum": 7.5,
+        "shard_last_seconds": 2.5,  # the one finished last (at 100), not the longest
+        "stage_seconds": {"denoise": 3.25, "x": 1},
+        "run_seconds": 4.0,
+    }
+    assert numbers({}, 0.0)["images_per_second"] == 0.0 and numbers({}, 0.0)["shard_last_seconds"] is None
+
+
+def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_finished_shards_change(tmp_path, caplog):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from launcher.host.metrics import MetricsFile
+
+    path = tmp_path / "textfile" / "meshgen.prom"
+    m = MetricsFile(str(path), "/out", "r1", 12, start=0.0)
+    m.update({})
+    families = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+    planned = families["meshgen_samples_planned"]
+    assert planned.type == "gauge" and planned.documentation == "Samples (images) this run set out to generate."
+    assert [(s.labels, s.value) for s in planned.samples] == [({"output": "/out", "run_id": "r1"}, 12)]
+    assert "meshgen_shard_last_seconds" not in families  # no shard finished: no value, no line
+    assert [s.name for s in families["meshgen_shard_seconds"].samples] == [
+        "meshgen_shard_seconds_count",
+        "meshgen_shard_seconds_sum",
+    ]
+    path.write_text("read by the collector")
+    m.update({})  # the same (no) finished shards: not written again
+    assert path.read_text() == "read by the collector"
+    m.update({0: {"status": "done", "rows": 2, "seconds": 1.0}})
+    assert "meshgen_samples_done" in path.read_text() and [p.name for p in path.parent.iterdir()] == ["meshgen.prom"]
+    m.final({**m_numbers(), "stage_seconds": {"vae_decode": 0.5}})
+    assert 'meshgen_stage_seconds{output="/out",run_id="r1",stage="vae_decode"} 0.5' in path.read_text()
+    path.unlink()
+    path.parent.rmdir()
+    path.parent.write_text("a file where the folder must be")
+    with caplog.at_level("WARNING"):
+        m.final(m_numbers())  # monitoring never stops a run
+    assert f"could not write output.metrics={path}" in caplog.text
+
+
+def m_numbers() -> dict:
+    from launcher.host.metrics import numbers
+
+    return numbers({}, 1.0)

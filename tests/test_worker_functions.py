@@ -206,3 +206,51 @@ def test_the_card_names_each_encoding_and_files_take_its_extension():
     assert default_library(Encoding("png", png_encoder="pil")) == "pil"
     assert default_library(Encoding("jpeg")) == default_library(Encoding("webp")) == "imagecodecs"
     assert default_library(Encoding("webp", lossless=True)) == "pil"
+
+
+def stream_sample(i: int, pixels) -> dict:
+    sample = {"id": f"s{i}", "prompt": f"p{i}", "seed": i, "height": 4, "width": 6, "num_inference_steps": 2}
+    return sample | {"guidance_scale": 1.0, "negative_prompt": "", "model": "m", "_pos": i, "pixels": pixels}
+
+
+def test_the_writer_process_encodes_each_batch_and_commits_a_shard_whole(tmp_path, monkeypatch):
+    """launcher/worker/writer_process.py in this process: a batch's images encoded as output.format says (their
+    pixels handed over, not kept), added to the shard's files, which appear only at `_finish`."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from launcher.ledger.store import Store
+    from launcher.worker import writer_process as wp
+
+    out = types.SimpleNamespace(format="webp", quality=95, lossless=True, png_encoder="imagecodecs", png_level=1)
+    out.__dict__.update({"webp_method": 0, "parquet": True, "webdataset": False, "image_files": False})
+    out.__dict__.update({"row_group_size": 2, "embed_images": True})
+    monkeypatch.setattr(wp, "_OUT", {"store": Store(tmp_path), "cfg": out, "encoders": None})
+    monkeypatch.setattr(wp, "_STREAMS", {})
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(3)]
+    batch = [stream_sample(i, images[i]) for i in (1, 0)]
+    wp._add_batch("shard-00007", batch)
+    assert all("pixels" not in s for s in batch) and list(wp._STREAMS) == ["shard-00007"]
+    assert not (tmp_path / "data" / "shard-00007.parquet").exists()  # not before _finish
+    record = wp._write_files("shard-00007", [stream_sample(2, images[2])])
+    assert wp._STREAMS == {} and list(record["files"]) == ["data/shard-00007.parquet"]
+    rows = pq.read_table(tmp_path / "data" / "shard-00007.parquet").to_pylist()
+    assert [r["id"] for r in rows] == ["s0", "s1", "s2"]
+    for r, want in zip(rows, images, strict=True):
+        image = Image.open(io.BytesIO(r["image"]["bytes"]))
+        assert image.format == "WEBP" and np.array_equal(np.asarray(image.convert("RGB")), want)
+    # a shard whose batch fails to be added leaves nothing, and no stream behind
+    wp._add_batch("shard-00008", [stream_sample(0, images[0])])
+    bad = stream_sample(1, images[1]) | {"seed": "not a seed"}  # fails the row group's write (int64 seeds)
+    with pytest.raises(pa.ArrowInvalid):
+        wp._add_batch("shard-00008", [bad])
+    assert wp._STREAMS == {} and sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["shard-00007.parquet"]
+    # no file kind at all (a benchmark's control): states only, nothing encoded or kept
+    out.parquet = False
+    wp._add_batch("shard-00009", [stream_sample(0, images[0])])
+    assert wp._STREAMS == {}

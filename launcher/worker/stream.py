@@ -68,7 +68,7 @@ class _Folder:
         self.store, self.rel, self.names = store, rel, set()
         if store.is_local:
             self.final: Path = store.local(rel)
-            self.tmp = self.final.with_name(tmp_name(self.final.name))
+            self.tmp: Path = self.final.with_name(tmp_name(self.final.name))
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(parents=True)
 
