@@ -89,10 +89,36 @@ def pytest_configure(config) -> None:
     left it held for good, so that every later mutant whose tests draw a bar hung to its timeout (a whole room's
     worth judged "timeout" after the first). Each of those processes gets a lock of its own."""
     _cache_compositions()
+    _libraries_log_to_the_current_stderr()
     if os.environ.get("MUTANT_UNDER_TEST"):
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())
+
+
+class _CurrentStderr:
+    """sys.stderr as it is at each write, not as it was when a handler was made."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _libraries_log_to_the_current_stderr() -> None:
+    """diffusers and transformers give their library's logger a handler of sys.stderr as it is at their first log
+    call: made during a test that captures stderr (capsys), it holds that test's stream, closed once the test ends,
+    and every later record of theirs in the process is a "--- Logging error ---" traceback on stderr (which a test
+    of a refusal's one line sees: make mutants' clean run, whose tests run in another order, did)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for library in (diffusers_logging, transformers_logging):
+        library.get_logger()  # makes the handler now
+        handler = library._default_handler
+        handler.stream = _CurrentStderr()  # ty: ignore[invalid-assignment]
+        handler.__dict__.pop("flush", None)  # they also bind the handler's flush to that stream's
 
 
 def pytest_collection_modifyitems(items: list) -> None:
