@@ -5,10 +5,14 @@ docstring, never from the product's functions. These are the worker room's tests
 from __future__ import annotations
 
 import inspect
+import json
 import types
 
 import pytest
+import test_quality
 import torch
+
+quality_models = test_quality.quality_models  # the tiny CLIP and safety checker, built once
 
 
 class Clock:
@@ -254,3 +258,156 @@ def test_the_writer_process_encodes_each_batch_and_commits_a_shard_whole(tmp_pat
     out.parquet = False
     wp._add_batch("shard-00009", [stream_sample(0, images[0])])
     assert wp._STREAMS == {}
+
+
+def test_a_lora_delta_is_scale_times_scaling_times_b_a_whatever_the_chunk(monkeypatch):
+    from launcher.worker import lora_fuse
+    from launcher.worker.lora import Factor
+
+    torch.manual_seed(0)
+    A, B = torch.randn(2, 3), torch.randn(5, 2)  # rank 2, 3 in, 5 out
+    expected = torch.randn(5, 3)
+    weight = expected.clone()
+    expected += 0.5 * 3.0 * (B @ A)
+    monkeypatch.setattr(lora_fuse, "CHUNK_BYTES", 2 * 3 * 4)  # two rows of the delta at a time: 2 + 2 + 1
+    lora_fuse.add_delta(weight, Factor(A, B, scaling=3.0), 0.5)
+    assert torch.allclose(weight, expected, atol=1e-6)
+    # a layer that stores its weight as in x out (Conv1D) takes the delta transposed
+    stored = torch.zeros(3, 5)
+    lora_fuse.add_delta(stored, Factor(A, B, scaling=1.0, fan_in_fan_out=True), 2.0)
+    assert torch.allclose(stored, 2.0 * (B @ A).T, atol=1e-6)
+    # half weights on the CPU: the product in float32, then cast (PEFT's arithmetic), not in bfloat16
+    half = torch.zeros(5, 3, dtype=torch.bfloat16)
+    A16, B16 = A.to(torch.bfloat16), B.to(torch.bfloat16)
+    lora_fuse.add_delta(half, Factor(A16, B16, scaling=1.0), 1.0)
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, (B16.float() @ A16.float()).to(torch.bfloat16))
+
+
+def test_fuse_adds_each_lora_in_turn_and_counts_the_layers_it_changed():
+    from launcher.worker import lora_fuse
+    from launcher.worker.lora import Factor
+
+    torch.manual_seed(1)
+    transformer = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = [transformer[0].weight.clone(), transformer[1].weight.clone()]
+    pipe = types.SimpleNamespace(transformer=transformer)
+    one = Factor(torch.ones(1, 3), torch.ones(4, 1), scaling=1.0)
+    two = Factor(torch.ones(1, 4), torch.ones(2, 1), scaling=2.0)
+    loras = [({"transformer": {"0": one, "1": two}}, 0.5), ({"transformer": {"0": one}}, -1.5)]
+    assert lora_fuse.fuse(pipe, loras) == 3
+    assert torch.allclose(transformer[0].weight, before[0] + 0.5 - 1.5)
+    assert torch.allclose(transformer[1].weight, before[1] + 2.0 * 0.5)
+    assert lora_fuse._packed_slices(transformer) == {} and lora_fuse._tp_degree(transformer) == 1
+
+
+def test_a_text_encoders_packed_tp_plan_is_refused_and_a_plain_one_splits_evenly():
+    from launcher.worker import lora_fuse
+
+    plain = types.SimpleNamespace(tp_plan={"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise"})
+    assert lora_fuse._refuse_packed(plain) == {} and lora_fuse._refuse_packed(types.SimpleNamespace()) == {}
+    packed = types.SimpleNamespace(tp_plan={"layers.*.q_proj": "colwise", "layers.*.gate_up_proj": "packed_colwise"})
+    with pytest.raises(ValueError, match=r"^the text encoder's tensor-parallel plan packs layers.\*.gate_up_proj: "):
+        lora_fuse._refuse_packed(packed)
+
+
+class Claims:
+    """A claims book whose shards in `held` are a live run's the first time they are tried."""
+
+    def __init__(self, held=(), full=False):
+        self.held, self.tried, self.skipped, self.out_of_space = set(held), [], set(), full
+
+    def try_claim(self, i, seen):
+        self.tried.append((i, seen))
+        if i in self.held:
+            self.held.discard(i)
+            self.skipped.add(i)
+            return False
+        return True
+
+
+def worker_of(claims=None, writer=None, is_writer=True):
+    from launcher.plan.shards import Shard
+    from launcher.worker.runner import Worker
+
+    plan = types.SimpleNamespace(seen=lambda i: f"seen-{i}", shard=lambda i: Shard(i, ({"id": str(i)},), "fp"))
+    groups = types.SimpleNamespace(is_writer=is_writer, tp_size=1)
+    return Worker(None, None, groups, None, writer, plan=plan, claims=claims)
+
+
+def test_a_worker_claims_shards_in_its_order_and_tries_those_a_live_run_held_once_more_at_the_end():
+    from launcher.worker.runner import _next_shard
+
+    claims = Claims(held={4})
+    w, order = worker_of(claims), [4, 1, 7]
+    assert _next_shard(w, claims, order) == 1 and w.shard.index == 1 and order == [7]
+    assert _next_shard(w, claims, order) == 7
+    assert _next_shard(w, claims, order) == 4 and w.rescanned and claims.skipped == set()  # held at first: once more
+    assert _next_shard(w, claims, order) is None and w.shard is None
+    assert claims.tried == [(4, "seen-4"), (1, "seen-1"), (7, "seen-7"), (4, "seen-4")]
+    full = Claims(full=True)
+    assert _next_shard(worker_of(full), full, [0]) is None and full.tried == []  # a full output: no more claims
+    assert _next_shard(worker_of(Claims(), is_writer=False), Claims(), [0]) is None  # only the writer claims
+
+
+def test_a_failure_names_its_shard_and_up_to_five_real_rows_of_its_batch():
+    from launcher.plan.shards import Shard
+    from launcher.worker.runner import _out_of_space, _rows_of
+
+    shard = Shard(12, (), "fp")
+    rows = [{"id": f"r{i}"} for i in range(8)]
+    assert _rows_of(shard, None) == " (shard 12)"
+    assert _rows_of(shard, types.SimpleNamespace(rows=rows, n_real=7)) == (
+        " (shard 12, rows 'r0', 'r1', 'r2', 'r3', 'r4' and 2 more)"
+    )
+    assert _rows_of(shard, types.SimpleNamespace(rows=rows, n_real=2)) == " (shard 12, rows 'r0', 'r1')"
+    assert _rows_of(shard, types.SimpleNamespace(rows=rows[:5], n_real=5)).endswith("'r4')")
+    assert not _out_of_space(worker_of()) and not _out_of_space(worker_of(writer=types.SimpleNamespace(out_of_space=0)))
+    assert _out_of_space(worker_of(writer=types.SimpleNamespace(out_of_space=True)))
+
+
+def test_encoders_take_half_the_hosts_cores_shared_by_its_writers(monkeypatch):
+    import os
+
+    from launcher.worker.bgwriter import default_encode_workers
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert [default_encode_workers(n) for n in (0, 1, 2, 3, 8, 9)] == [8, 8, 4, 2, 1, 1]
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert default_encode_workers(1) == 1
+
+
+def test_a_pipelines_components_are_read_from_its_model_index(tmp_path):
+    from launcher.worker.pipeline import _cls, component_classes
+
+    index = {"_class_name": "P", "_diffusers_version": "0.1", "vae": ["diffusers", "AutoencoderKL"]}
+    index |= {"text_encoder_2": [None, None], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    got = component_classes(str(tmp_path))
+    assert got == {"vae": ("diffusers", "AutoencoderKL"), "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler")}
+    assert _cls(got["vae"]).__name__ == "AutoencoderKL"
+
+
+def test_each_sample_gets_the_scores_its_image_has_in_any_batch_size(quality_models):
+    import numpy as np
+    from omegaconf import OmegaConf
+    from test_quality import PROMPTS, images, qcfg
+
+    from launcher.worker.quality import Scorer, enabled, load_scorer
+
+    clip, checker = quality_models
+    whole = Scorer(qcfg(clip, checker, batch_size=7)).columns(images(), PROMPTS)
+    samples = [{"pixels": x, "prompt": p, "id": str(i)} for i, (x, p) in enumerate(zip(images(), PROMPTS, strict=True))]
+    by_two = Scorer(qcfg(clip, checker, batch_size=2))
+    by_two.add_columns(samples)
+    assert [s["nsfw"] for s in samples] == whole["nsfw"] and len(whole["nsfw"]) == 7
+    assert np.allclose([s["clip_score"] for s in samples], whole["clip_score"], atol=1e-4)
+    by_two.add_columns([])  # nothing to score
+    assert Scorer.names_for(qcfg(clip, checker)) == ["clip_score", "nsfw"] == by_two.names
+    assert Scorer.names_for(qcfg(clip, checker, clip_score=False)) == ["nsfw"]
+    assert Scorer.names_for(qcfg(clip, checker, safety=False, clip_score=False)) == []
+    job = OmegaConf.create({"quality": qcfg(clip, checker, safety=False), "model": {"dtype": "float32"}})
+    assert enabled(job) and load_scorer(job, "cpu").names == ["clip_score"]
+    job.quality.clip_score = False
+    assert not enabled(job) and load_scorer(job, "cpu") is None
+    assert not enabled(OmegaConf.create({"quality": None})) and not enabled(OmegaConf.create({}))
