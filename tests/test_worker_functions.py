@@ -8,6 +8,7 @@ import inspect
 import json
 import types
 
+import numpy as np
 import pytest
 import test_quality
 import torch
@@ -411,3 +412,124 @@ def test_each_sample_gets_the_scores_its_image_has_in_any_batch_size(quality_mod
     job.quality.clip_score = False
     assert not enabled(job) and load_scorer(job, "cpu") is None
     assert not enabled(OmegaConf.create({"quality": None})) and not enabled(OmegaConf.create({}))
+
+
+class ShardWriter:
+    """The background writer as run_shard sees it: what each `add` was handed, and the job `submit` got."""
+
+    def __init__(self):
+        self.added, self.jobs = [], []
+
+    def add(self, index, name, samples):
+        self.added.append((index, name, [dict(s) for s in samples]))
+        return 0.125  # seconds waited for room in its queue
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+
+def shard_worker(monkeypatch, tmp_path, fail_at=None, overrides=()):
+    """A writing rank (tp rank 0) whose pipeline makes each batch's images, counting a compile a batch, and fails
+    with ValueError at batch `fail_at`; a fake clock: 2.5 s from the shard's start to its end."""
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.worker import runner
+    from launcher.worker.execution import CompileStats
+
+    cfg = load_config("tiny", ["generate.images_per_prompt=2", "generate.batch_size=2", *overrides])
+    w = runner.Worker(cfg, "the pipeline", types.SimpleNamespace(is_writer=True, tp_size=1, tp_rank=0), None, None)
+    takes = iter([{"before": 9.0}, {"denoise": 1.5}])
+    w.timer = types.SimpleNamespace(take=lambda: next(takes))
+    w.writer, w.store, w.run_id, w.load_seconds = ShardWriter(), Store(tmp_path), "run-1", 1.23456
+    w.claims, w.compile_stats = types.SimpleNamespace(attempt=lambda i: f"attempt-of-{i}"), CompileStats()
+
+    def steps(pipe, batches, cfg, job, set_lora_scales=None):
+        for k, b in enumerate(batches):
+
+            def step(b=b, k=k, **_):
+                w.compile_stats.compiles += 1
+                if k == fail_at:
+                    raise ValueError("boom")
+                return [{"id": sid, "prompt": "p", "pixels": np.zeros((2, 2, 3), np.uint8)} for sid in b.image_ids()]
+
+            yield b, step
+
+    clock = iter([10.0, 12.5])
+    hits = iter([4, 7])
+    monkeypatch.setattr(runner, "shard_steps", steps)
+    monkeypatch.setattr(
+        runner, "time", types.SimpleNamespace(perf_counter=lambda: next(clock), time=lambda: 1e9 + 0.12345)
+    )
+    monkeypatch.setattr(runner, "cache_hits", lambda: next(hits))
+    truncated = []
+    job = runner.job_of(cfg.job)
+    monkeypatch.setattr(job, "count_truncated", lambda pipe, prompts, n: truncated.append((pipe, prompts, n)) or 1)
+    return w, truncated
+
+
+def test_a_done_shards_state_says_what_it_made_and_where_its_time_went(monkeypatch, tmp_path):
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    (tmp_path / "state").mkdir()
+    prev = {"status": "failed", "error_class": "OSError", "attempts": 1}
+    (tmp_path / "state" / "shard-00005.json").write_text(json.dumps(prev))
+    w, truncated = shard_worker(monkeypatch, tmp_path)
+    rows = ({"id": "a", "prompt": "pa"}, {"id": "b", "prompt": "pb"}, {"id": "c", "prompt": "pc"})
+    assert runner.run_shard(w, Shard(5, rows, "fp-5"))
+    handed = [s for _, _, samples in w.writer.added for s in samples]
+    # DESIGN's sample ids with N = 2, each with its place among the shard's rows (the writer keeps that order)
+    order = ["a-0", "a-1", "b-0", "b-1", "c-0", "c-1"]
+    assert sorted((s["_pos"], s["id"]) for s in handed) == list(enumerate(order))
+    assert {(i, n) for i, n, _ in w.writer.added} == {(5, "shard-00005")}
+    [job] = w.writer.jobs
+    assert (job.index, job.name, job.samples, job.prev) == (5, "shard-00005", [], prev)
+    batches = len(w.writer.added)
+    assert job.state == {
+        "status": "done",
+        "rows": 6,
+        "prompts": 3,
+        "prompts_fingerprint": "fp-5",
+        "run_id": "run-1",
+        "attempt": "attempt-of-5",
+        "seconds": 2.5,
+        "images_per_s": 2.4,
+        "stages": {"load": 1.2346, "denoise": 1.5, "warmup": 0.0, "writer_wait": 0.125 * batches},
+        "started_at": 1e9 + 0.123,
+        "compiles": batches,
+        "compile_cache_hits": 3,
+        "truncated": 1,
+    }
+    assert truncated == [("the pipeline", ["pa", "pb", "pc"], w.cfg.generate.max_sequence_length)]
+    assert w.load_seconds == 0.0  # counted in this shard's stages only
+
+
+def test_a_failed_shards_state_names_the_error_its_class_and_the_batchs_samples(monkeypatch, tmp_path):
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    w, truncated = shard_worker(monkeypatch, tmp_path, fail_at=1, overrides=["generate.images_per_prompt=1"])
+    rows = tuple({"id": f"r{i}", "prompt": "p"} for i in range(6))
+    assert not runner.run_shard(w, Shard(2, rows, "fp"))
+    [job] = w.writer.jobs
+    state = job.state
+    assert state["status"] == "failed" and state["rows"] == 6 and "prompts" not in state
+    assert state["error"] == "ValueError: boom (shard 2, rows 'r2', 'r3')" and state["error_class"] == "ValueError"
+    assert state["traceback"].startswith(state["error"] + "\nTraceback (most recent call last):")
+    assert state["samples"] == ["r2", "r3"] and state["images_per_s"] is None and state["truncated"] is None
+    assert [s["id"] for _, _, b in w.writer.added for s in b] == ["r0", "r1"] and job.prev is None
+    assert truncated == []
+
+
+def test_an_injected_failure_fails_its_shard_on_the_last_tp_rank_only(monkeypatch, tmp_path):
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    rows = ({"id": "a", "prompt": "p"},)
+    for rank, tp, failed in ((1, 2, True), (0, 2, False), (0, 1, True)):
+        w, _ = shard_worker(monkeypatch, tmp_path, overrides=["testing.fail_shards=[3]", f"mesh.tp={tp}"])
+        w.groups.tp_rank, w.writer = rank, None  # no writer: its result is all it says
+        assert runner.run_shard(w, Shard(3, rows, "fp")) is not failed
+        w, _ = shard_worker(monkeypatch, tmp_path, overrides=["testing.fail_shards=[3]", f"mesh.tp={tp}"])
+        w.groups.tp_rank, w.writer = rank, None
+        assert runner.run_shard(w, Shard(4, rows, "fp"))  # another shard
