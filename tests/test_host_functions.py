@@ -333,3 +333,67 @@ def m_numbers() -> dict:
     from launcher.host.metrics import numbers
 
     return numbers({}, 1.0)
+
+
+def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states(tmp_path):
+    """launcher/host/card.py's summarize, which the card, the report and the status tool read: every shard of run.json
+    with what its state says, pending where it has none; a state from before `finished_at` finished when its file was
+    written (`time_source` says so); time summed over the shards that ran, failed ones included."""
+    import os
+
+    from launcher.host.card import summarize
+    from launcher.ledger.store import Store
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps({"shards": 5, "note": "kept whole"}))
+    parquet = "data/shard-00000.parquet"
+    states = {
+        0: {"status": "done", "rows": 4, "seconds": 2.0, "images_per_s": 2.0, "finished_at": 1000.0, "run_id": "r1"}
+        | {"stages": {"denoise": 1.5, "load": 1}, "data_bytes": 77, "files": {parquet: [70, "h"]}}
+        | {"kept_fingerprint": "fp-new", "kept_ids": ["a"]},
+        1: {"status": "failed", "rows": 2, "seconds": 3.0, "error": "  ValueError: boom\nTraceback ...", "attempts": 1},
+        2: {"status": "done", "rows": 6, "seconds": 1.0, "timings": {"vae_decode": 0.25, "note": "x"}},
+        4: {"status": "done", "rows": 1, "seconds": 0.5, "finished_at": 990.0},
+    }
+    for i, st in states.items():
+        (tmp_path / "state" / f"shard-{i:05d}.json").write_text(json.dumps(st))
+    os.utime(tmp_path / "state" / "shard-00002.json", (995.0, 995.0))
+    os.utime(tmp_path / "state" / "shard-00001.json", (998.0, 998.0))
+    s = summarize(Store(tmp_path))
+    assert s["meta"] == {"shards": 5, "note": "kept whole"}
+    first, failed, old, pending, last = s["shards"]
+    assert first == {
+        "index": 0,
+        "status": "done",
+        "rows": 4,
+        "seconds": 2.0,
+        "images_per_s": 2.0,
+        "error": "",
+        "finished_at": 1000.0,
+        "stages": {"denoise": 1.5, "load": 1.0},
+        "data_bytes": 77,
+        "parquet_size": 70,
+        "run_id": "r1",
+        "kept_stale": True,
+        "kept_ids": ["a"],
+    }
+    assert failed["error"] == "ValueError: boom" and failed["finished_at"] == 998.0 and failed["kept_ids"] == []
+    assert old["finished_at"] == 995.0 and old["stages"] == {"vae_decode": 0.25} and old["parquet_size"] is None
+    assert pending == {
+        "index": 3,
+        "status": "pending",
+        "error": "",
+        "stages": {},
+        "kept_stale": False,
+        "kept_ids": [],
+    } | {k: None for k in ("rows", "seconds", "images_per_s", "finished_at", "data_bytes", "parquet_size", "run_id")}
+    assert last["kept_stale"] is False
+    assert s["counts"] == {"done": 3, "failed": 1, "pending": 1}
+    assert (s["images"], s["seconds"], s["images_per_s"]) == (11, 6.5, round(11 / 6.5, 3))
+    # from the first shard's start (the last one's: 990 - 0.5) to the last finish (1000)
+    assert s["span_seconds"] == 10.5 and s["time_source"] == "state file mtime"
+    s = summarize(Store(tmp_path), states={0: states[0]})  # the launcher's own states: no state read
+    assert [x["status"] for x in s["shards"]] == ["done", "pending", "pending", "pending", "pending"]
+    assert s["images"] == 4 and s["counts"] == {"done": 1, "failed": 0, "pending": 4}
+    with pytest.raises(FileNotFoundError, match="has no run.json; is it a meshgen output folder"):
+        summarize(Store(tmp_path / "state"))
