@@ -397,3 +397,92 @@ def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states
     assert s["images"] == 4 and s["counts"] == {"done": 1, "failed": 0, "pending": 4}
     with pytest.raises(FileNotFoundError, match="has no run.json; is it a meshgen output folder"):
         summarize(Store(tmp_path / "state"))
+
+
+def test_the_card_says_how_images_are_stored_and_what_each_sweep_variant_is():
+    from launcher.host.card import files_section, sweep_text
+
+    assert files_section({"format": "png", "png_level": 3, "row_group_size": 64}) == (
+        "- images: png (lossless, zlib level 3), stored as the `image` column's bytes\n"
+        "- `data/shard-NNNNN.parquet`: one per shard, in row groups of 64 rows (loaders read one group at a time; "
+        "the last group of a shard may be smaller)"
+    )
+    both = files_section({"format": "jpeg", "quality": 80, "image_files": True})
+    assert both == (
+        "- images: jpeg (lossy, quality 80), stored as the `image` column's bytes and "
+        "`images/shard-NNNNN/<id>.jpg` files (the same bytes)"
+    )
+    assert files_section({"format": "webp", "lossless": True, "png": True}).endswith(".webp` files (the same bytes)")
+    assert files_section({"format": "webp", "quality": 90, "embed_images": False}) == (
+        "- images: webp (lossy, quality 90), stored as `images/shard-NNNNN/<id>.webp` files; the `image` column's "
+        "`path` names each"
+    )
+    assert sweep_text(None) == sweep_text({}) == ""
+    text = sweep_text({"guidance_scale": [1.0, 4.0], "num_inference_steps": [4]})
+    assert text == (
+        "\nA sweep: every prompt at 2 combinations of settings (the `variant` column, v = 0: guidance_scale=1.0, "
+        "num_inference_steps=4; 1: guidance_scale=4.0, num_inference_steps=4). A sample's id is `<base id>@<v>` and "
+        "it has the base id's seed, so the variants of one image differ only in the swept settings.\n"
+    )
+
+
+def test_the_cards_license_loras_kept_stale_shards_and_feature_types():
+    import pyarrow as pa
+
+    from launcher.host.card import _arrow_feature, _feature, _loras_lines, hub_license, kept_text, size_category
+
+    assert hub_license("") == hub_license("  ") == {}
+    assert hub_license(" Apache-2.0 ") == {"license": "apache-2.0"}
+    assert hub_license("FLUX.1 [dev] Non-Commercial License https://example.org/LICENSE.md") == {
+        "license": "other",
+        "license_name": "flux-1-dev-non-commercial-license",
+        "license_link": "https://example.org/LICENSE.md",
+    }
+    assert hub_license("https://x.org/l") == {
+        "license": "other",
+        "license_name": "model-license",
+        "license_link": "https://x.org/l",
+    }
+    # the Hub's size categories: n<1K, 1K<n<10K, ... by the rows' count
+    assert [size_category(n) for n in (0, 999, 1000, 10**6 - 1, 10**6, 10**10 + 1)] == [
+        "n<1K",
+        "n<1K",
+        "1K<n<10K",
+        "100K<n<1M",
+        "1M<n<10M",
+        "n>10B",
+    ]
+    model = {"loras": [{"path": "org/style-lora"}, {"path": "/disk/mine.safetensors"}]}
+    hashed = {"model": {"loras": [{"scale": 0.8, "sha256": "aa"}, {"scale": -1.0, "sha256": "bb"}]}}
+    assert _loras_lines(model, hashed) == (
+        "\n- LoRA: `org/style-lora` at scale 0.8 (sha256 aa)\n- LoRA: a local file `mine.safetensors` at scale -1.0 "
+        "(sha256 bb)"
+    )
+    assert _loras_lines({}, {}) == ""
+    shards = [
+        {"kept_stale": True, "kept_ids": [f"i{k}" for k in range(4)]},
+        {"kept_stale": True, "kept_ids": ["j", "k"]},
+    ]
+    assert kept_text({"shards": shards + [{"kept_stale": False}]}) == (
+        " 2 done shards are kept-stale (samples i0, i1, i2, i3, j and more): their prompts changed in the source "
+        "after they were generated, and run.stale=keep kept the images of the prompts as they were."
+    )
+    assert kept_text({"shards": [{"kept_stale": True, "kept_ids": []}]}).startswith(" 1 done shards are kept-stale:")
+    assert kept_text({"shards": [{"kept_stale": False}]}) == ""
+    t = pa.struct(
+        [("a", pa.float16()), ("b", pa.list_(pa.float64())), ("c", pa.large_list(pa.struct([("d", pa.int8())])))]
+    )
+    assert _arrow_feature(t) == {
+        "struct": [
+            {"name": "a", "dtype": "float16"},
+            {"name": "b", "list": "float64"},
+            {"name": "c", "list": [{"name": "d", "dtype": "int8"}]},
+        ]
+    }
+    assert _arrow_feature(pa.float32()) == {"dtype": "float32"} and _arrow_feature(pa.string()) == {"dtype": "string"}
+    assert _feature("image", {"_type": "Image"}) == {"name": "image", "dtype": "image"}
+    assert _feature("seed", {"dtype": "int64", "_type": "Value"}) == {"name": "seed", "dtype": "int64"}
+    assert _feature("reference", [{"path": {"dtype": "string", "_type": "Value"}}]) == {
+        "name": "reference",
+        "list": [{"name": "path", "dtype": "string"}],
+    }
