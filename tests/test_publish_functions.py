@@ -39,6 +39,17 @@ def run(tmp_path) -> Path:
     return out
 
 
+def parquet_bytes(ids: list[str]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": ids}), buf)
+    return buf.getvalue()
+
+
 def sent_files(site: Path) -> dict[str, bytes]:
     return {str(p.relative_to(site)): p.read_bytes() for p in sorted(site.rglob("*")) if p.is_file()}
 
@@ -150,3 +161,45 @@ def test_a_target_inside_the_run_or_of_another_kind_is_refused_before_anything_i
     with pytest.raises(ConfigError, match="has no run.json: is it a meshgen output folder"):
         publish(str(tmp_path), str(tmp_path / "site"))
     assert publish(str(run), str(tmp_path / "runs-sibling"), card=False)["shards"] == 2  # a prefix, not inside
+
+
+def test_the_publish_command_says_what_it_sent_and_exits_0_2_or_3(run, tmp_path, capsys, monkeypatch):
+    """`python -m tools.publish OUTPUT_DIR TARGET` (launcher/host/publish.py main): 0 with a line of what was sent;
+    2 and one line for a refusal before anything is sent; 3 and one line when the push stops part way."""
+    from launcher.host import publish
+
+    # a run.json and Parquet files as a run writes them: the card reads both
+    config = {"name": "job", "device": "cpu", "model": {"path": "org/model", "dtype": "bfloat16"}, "job": "t2i"}
+    config |= {"dataset": {"path": "/d/p.txt"}, "mesh": {"dp": 1, "tp": 2}, "generate": {"batch_size": 2}}
+    meta = {"shards": 3, "shard_size": 2, "config": config, "settings": {"model": {}, "generate": {}}}
+    (run / "run.json").write_text(json.dumps(meta))
+    p0, p1 = parquet_bytes(["a", "b"]), parquet_bytes(["c"])
+    shard(run, 0, {"data/shard-00000.parquet": p0, "images/shard-00000/a.png": b"img-a"})
+    shard(run, 1, {"data/shard-00001.parquet": p1})
+    site = tmp_path / "site"
+    assert publish.main([str(run), str(site), "--no-images"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"{site}: sent 2 files of 2 shards ({len(p0) + len(p1)} bytes) and the card"
+    card = (site / "README.md").read_text()
+    assert not (site / "images").exists() and "# job: images generated with `org/model`" in card
+    assert publish.main([str(run), str(site), "--images"]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == f"{site}: sent 1 files of 1 shards (5 bytes) (the card was up to date)"
+    assert publish.main([str(tmp_path / "nothing"), str(site)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {tmp_path / 'nothing'} has no run.json: is it a meshgen output folder? (give the run's output.dir)"
+    ]
+
+    def broken(self, run, batch, message):
+        raise ConnectionError("reset by peer\nmore lines")
+
+    from launcher.host.push_targets import StoreTarget
+
+    monkeypatch.setattr(StoreTarget, "push", broken)
+    assert publish.main([str(run), str(tmp_path / "other")]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: the push to {tmp_path / 'other'} stopped (reset by peer); what reached it is whole: run the same "
+        "command to finish it"
+    ]
