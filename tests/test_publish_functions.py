@@ -203,3 +203,30 @@ def test_the_publish_command_says_what_it_sent_and_exits_0_2_or_3(run, tmp_path,
         f"error: the push to {tmp_path / 'other'} stopped (reset by peer); what reached it is whole: run the same "
         "command to finish it"
     ]
+
+
+def test_a_bucket_target_takes_each_file_as_an_object_and_a_missing_bucket_is_one_line(run, s3, tmp_path):
+    """An object-store target (the local S3 server): each file one object, beside them the manifests with the files'
+    sizes and sha256; the next push compares with them and sends nothing; a target in a bucket that does not exist
+    is refused before anything is sent."""
+    import boto3
+
+    from launcher.host.publish import publish
+
+    target = "s3://meshgen-test/published/set"
+    assert publish(str(run), target, card=False)["files"] == 3
+    s3c = boto3.client("s3")
+    listed = s3c.list_objects_v2(Bucket="meshgen-test", Prefix="published/set/")["Contents"]
+    keys = {o["Key"].removeprefix("published/set/"): o for o in listed}
+    assert set(keys) == {
+        "data/shard-00000.parquet",
+        "images/shard-00000/a.png",
+        "data/shard-00001.parquet",
+        ".meshgen-published/shard-00000.json",
+        ".meshgen-published/shard-00001.json",
+    }
+    body = s3c.get_object(Bucket="meshgen-test", Key="published/set/data/shard-00001.parquet")["Body"].read()
+    assert body == b"P1-longer"
+    assert publish(str(run), target, card=False)["files"] == 0
+    with pytest.raises(ConfigError, match=r"^cannot publish to s3://no-such-bucket/x: bucket no-such-bucket does not "):
+        publish(str(run), "s3://no-such-bucket/x", card=False)
