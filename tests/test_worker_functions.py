@@ -588,3 +588,21 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 1, "seconds": 1.0}))
     writer.close()
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
+
+
+def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_model):
+    """At tp=1 nothing is sharded: load_pipeline is diffusers' own from_pretrained, in model.dtype, on the device,
+    its progress bars off (the launcher's bar is the terminal's)."""
+    from diffusers import DiffusionPipeline
+
+    from launcher.config import load_config
+    from launcher.worker.pipeline import load_pipeline
+
+    cfg = load_config("tiny", [f"model.path={tiny_model}", "mesh.tp=1", "mesh.dp=1", "model.dtype=bfloat16"])
+    pipe = load_pipeline(cfg, torch.device("cpu"), None)
+    bare = DiffusionPipeline.from_pretrained(tiny_model, torch_dtype=torch.bfloat16)
+    assert type(pipe) is type(bare) and pipe.transformer.dtype == torch.bfloat16
+    assert pipe._progress_bar_config == {"disable": True}
+    for name in ("transformer", "vae", "text_encoder"):
+        ours, theirs = getattr(pipe, name).state_dict(), getattr(bare, name).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
