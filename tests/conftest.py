@@ -91,14 +91,9 @@ def pytest_configure(config) -> None:
     _cache_compositions()
     _libraries_log_to_the_current_stderr()
     if os.environ.get("MUTANT_UNDER_TEST"):
-        from _pytest.unraisableexception import gc_collect_iterations_key
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())
-        # pytest collects garbage twice as a session ends, to find exceptions raised in finalizers: 0.29 s a
-        # collection in a process with torch and diffusers loaded (440,000 objects), ~0.6 s of every mutant's run,
-        # as much as a survivor's tests in a small room. A mutant is judged by its tests' exit code alone.
-        config.stash[gc_collect_iterations_key] = 0
 
 
 class _CurrentStderr:
