@@ -486,3 +486,51 @@ def test_the_cards_license_loras_kept_stale_shards_and_feature_types():
         "name": "reference",
         "list": [{"name": "path", "dtype": "string"}],
     }
+
+
+SETTINGS_REFUSED = {
+    "output.metrics=/var/lib/m.txt": "output.metrics=/var/lib/m.txt must be a local file path ending in .prom "
+    "(node-exporter's textfile collector reads *.prom), e.g. /var/lib/node_exporter/meshgen.prom",
+    "output.metrics=s3://b/m.prom": "output.metrics=s3://b/m.prom must be a local file path ending in .prom "
+    "(node-exporter's textfile collector reads *.prom), e.g. /var/lib/node_exporter/meshgen.prom",
+    "generate.num_inference_steps=0": "generate.num_inference_steps=0 must be at least 1",
+    "generate.batch_size=0": "generate.batch_size=0 must be at least 1",
+    "run.shard_size=0": "run.shard_size=0 must be at least 1",
+    "generate.max_sequence_length=0": "generate.max_sequence_length=0 must be at least 1",
+    "generate.height=0": "generate.height=0 must be at least 1",
+    "generate.width=-8": "generate.width=-8 must be at least 1",
+    "generate.images_per_prompt=0": "generate.images_per_prompt=0 must be at least 1",
+    "run.timeout_s=0": "run.timeout_s=0 must be at least 1",
+    "run.max_attempts=0": "run.max_attempts=0 must be at least 1",
+    "run.shards=[]": "run.shards=[] selects no shards; name some ([0,3]) or use pending, failed or all",
+    "generate.guidance_scale=-1": "generate.guidance_scale=-1.0 is negative; use 0 or more",
+    "testing.batch_sleep_s=60.5": "testing.batch_sleep_s=60.5 must be between 0 and 60 seconds",
+    "testing.batch_sleep_s=-1": "testing.batch_sleep_s=-1.0 must be between 0 and 60 seconds",
+    "model.dtype=fp8": "model.dtype='fp8' is not one of bfloat16, float16, float32",
+    "run.on_error=retry": "run.on_error='retry' is not one of continue, abort",
+}
+
+
+@pytest.mark.parametrize("override", SETTINGS_REFUSED)
+def test_each_setting_out_of_its_range_is_one_line_naming_the_key_and_the_value(override):
+    from launcher.config import load_config
+    from launcher.host.checks import check_settings
+
+    with pytest.raises(ConfigError) as e:
+        check_settings(load_config("tiny", [override]))
+    assert str(e.value) == SETTINGS_REFUSED[override]
+
+
+def test_settings_at_their_bounds_pass_and_a_testing_hold_file_needs_its_folder(tmp_path):
+    from launcher.config import load_config
+    from launcher.host.checks import check_settings
+
+    ones = [f"{k}=1" for k in ("generate.num_inference_steps", "generate.batch_size", "run.shard_size")]
+    edges = ["testing.batch_sleep_s=60", "generate.guidance_scale=0", "run.shards=[0]", "output.metrics=/m.prom"]
+    check_settings(load_config("tiny", [*ones, *edges, f"testing.hold_batches_until={tmp_path / 'go'}"]))
+    gone = tmp_path / "no-folder" / "go"
+    with pytest.raises(ConfigError) as e:
+        check_settings(load_config("tiny", [f"testing.hold_batches_until={gone}"]))
+    assert str(e.value) == (
+        f"testing.hold_batches_until={gone}: its folder does not exist; name a file in an existing folder"
+    )
