@@ -274,9 +274,9 @@ def test_a_lora_delta_is_scale_times_scaling_times_b_a_whatever_the_chunk(monkey
     lora_fuse.add_delta(weight, Factor(A, B, scaling=3.0), 0.5)
     assert torch.allclose(weight, expected, atol=1e-6)
     # a layer that stores its weight as in x out (Conv1D) takes the delta transposed
-    stored = torch.zeros(3, 5)
+    stored = torch.ones(3, 5)
     lora_fuse.add_delta(stored, Factor(A, B, scaling=1.0, fan_in_fan_out=True), 2.0)
-    assert torch.allclose(stored, 2.0 * (B @ A).T, atol=1e-6)
+    assert torch.allclose(stored, 1.0 + 2.0 * (B @ A).T, atol=1e-6)
     # half weights on the CPU: the product in float32, then cast (PEFT's arithmetic), not in bfloat16
     half = torch.zeros(5, 3, dtype=torch.bfloat16)
     A16, B16 = A.to(torch.bfloat16), B.to(torch.bfloat16)
