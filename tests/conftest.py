@@ -233,8 +233,10 @@ def once(tmp_path_factory, worker_id):
     def listing(folder: Path) -> dict[str, tuple[int, int]]:
         return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
-    def get(name: str, make, root: Path | None = None) -> Path:
-        folder = (root or shared) / hashlib.sha256(name.encode()).hexdigest()[:16]
+    def get(name: str, make, unmutated: bool = False) -> Path:
+        """`unmutated`: `make` runs only code make mutants never mutates, so a mutation run may share what it made."""
+        root = (_mutants_models() if unmutated else None) or shared
+        folder = root / hashlib.sha256(name.encode()).hexdigest()[:16]
         with open(f"{folder}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not folder.exists():
@@ -266,11 +268,12 @@ def tiny_family(once):
         def make(folder: Path) -> None:
             build(f"tiny_{name}", folder / f"tiny-{name}")
 
-        return once(f"model {name}", make, _mutants_models()) / f"tiny-{name}"
+        return once(f"model {name}", make, unmutated=True) / f"tiny-{name}"
 
     return get
 
 
+@functools.cache
 def _mutants_models() -> Path | None:
     """Under `make mutants`, where each mutant's tests are a pytest session of their own (in mutants/), one folder
     for the tiny pipelines of the whole mutation run, named by the code that builds them: built once there instead

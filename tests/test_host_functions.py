@@ -300,7 +300,7 @@ def test_the_runs_numbers_count_its_shards_samples_seconds_and_stages():
 def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_finished_shards_change(tmp_path, caplog):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from launcher.host.metrics import MetricsFile
+    from launcher.host.metrics import MetricsFile, numbers
 
     path = tmp_path / "textfile" / "meshgen.prom"
     m = MetricsFile(str(path), "/out", "r1", 12, start=0.0)
@@ -319,20 +319,14 @@ def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_fi
     assert path.read_text() == "read by the collector"
     m.update({0: {"status": "done", "rows": 2, "seconds": 1.0}})
     assert "meshgen_samples_done" in path.read_text() and [p.name for p in path.parent.iterdir()] == ["meshgen.prom"]
-    m.final({**m_numbers(), "stage_seconds": {"vae_decode": 0.5}})
+    m.final({**numbers({}, 1.0), "stage_seconds": {"vae_decode": 0.5}})
     assert 'meshgen_stage_seconds{output="/out",run_id="r1",stage="vae_decode"} 0.5' in path.read_text()
     path.unlink()
     path.parent.rmdir()
     path.parent.write_text("a file where the folder must be")
     with caplog.at_level("WARNING"):
-        m.final(m_numbers())  # monitoring never stops a run
+        m.final(numbers({}, 1.0))  # monitoring never stops a run
     assert f"could not write output.metrics={path}" in caplog.text
-
-
-def m_numbers() -> dict:
-    from launcher.host.metrics import numbers
-
-    return numbers({}, 1.0)
 
 
 def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states(tmp_path):

@@ -97,24 +97,19 @@ def test_a_regenerated_shard_replaces_its_files_and_removes_those_it_no_longer_h
 
 def test_a_damaged_shard_is_left_out_with_a_warning_and_no_images_keeps_a_shard_without_data(run, tmp_path, caplog):
     from launcher.host.publish import dataset_shards, publish
+    from launcher.ledger.store import Store
 
     (run / "data" / "shard-00001.parquet").write_bytes(b"cut")  # 3 bytes where its state recorded 9
     shard(run, 3, {"images/shard-00003/b.png": b"only-images"})  # output.parquet=false: the images are the dataset
     with caplog.at_level(logging.WARNING):
-        shards = dataset_shards(run_store(run), images=False)
+        shards = dataset_shards(Store(run), images=False)
     assert {s.index: sorted(s.files) for s in shards} == {
         0: ["data/shard-00000.parquet"],
         3: ["images/shard-00003/b.png"],
     }
     assert "data/shard-00001.parquet has 3 bytes, its state recorded 9 bytes" in caplog.text
-    assert [s.index for s in dataset_shards(run_store(run), only=[3, 2, 1])] == [3]
+    assert [s.index for s in dataset_shards(Store(run), only=[3, 2, 1])] == [3]
     assert publish(str(run), str(tmp_path / "site"), images=False, card=False)["files"] == 2
-
-
-def run_store(run: Path):
-    from launcher.ledger.store import Store
-
-    return Store(run)
 
 
 def test_batches_hold_whole_shards_within_the_file_and_byte_bounds(monkeypatch):

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import TARGET, _mutants_models, launch, load_from_hub, publish, read_rows
+from conftest import TARGET, launch, load_from_hub, publish, read_rows
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -27,7 +27,7 @@ def quality_models(once):
         build_tiny_clip(d / "clip")
         build_tiny_checker(d / "checker")
 
-    folder = once("tiny quality models", make, _mutants_models())
+    folder = once("tiny quality models", make, unmutated=True)
     return folder / "clip", folder / "checker"
 
 

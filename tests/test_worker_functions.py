@@ -535,21 +535,14 @@ def test_an_injected_failure_fails_its_shard_on_the_last_tp_rank_only(monkeypatc
         assert runner.run_shard(w, Shard(4, rows, "fp"))  # another shard
 
 
-def writer_samples(ids: list[str], first: int, seed=0) -> list[dict]:
-    rng = np.random.default_rng(first)
-    return [
-        {"id": i, "prompt": "p", "seed": seed, "height": 4, "width": 6, "_pos": first + k}
-        | {"pixels": rng.integers(0, 256, (4, 6, 3), dtype=np.uint8)}
-        for k, i in enumerate(ids)
-    ]
-
-
 def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_its_files(tmp_path, caplog):
     """launcher/worker/bgwriter.py: a shard whose batch the writer process could not write is recorded failed (the
     error, its class, its traceback; its attempts counted as DESIGN's state says), with none of its files; a shard
     whose claim another run took over is left to it, state and all; a state the output refuses for want of room
     leaves the shard pending and the writer out of space."""
     import errno
+
+    from test_runtime_bounds import _samples as samples
 
     from launcher.config import load_config
     from launcher.ledger.store import Store
@@ -559,11 +552,13 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     recorded, lost = [], []
     taken = {3}
     writer = BackgroundWriter(Store(tmp_path), out, 1, recorded.append, lambda i: i not in taken, lost.append)
-    writer.add(2, "shard-00002", writer_samples(["a", "b"], 0))
-    writer.add(2, "shard-00002", writer_samples(["c"], 2, seed="not a seed"))  # int64 seeds: its write fails
+    writer.add(2, "shard-00002", samples(["a", "b"], 0, first=0))
+    bad = samples(["c"], 1, first=2)
+    bad[0]["seed"] = "not a seed"  # int64 seeds: its write fails
+    writer.add(2, "shard-00002", bad)
     prev = {"status": "failed", "error_class": "ArrowInvalid", "attempts": 2}
     writer.submit(ShardJob(2, "shard-00002", [], {"status": "done", "rows": 3, "seconds": 1.0}, prev=prev))
-    writer.add(3, "shard-00003", writer_samples(["x"], 0))
+    writer.add(3, "shard-00003", samples(["x"], 0, first=0))
     writer.submit(ShardJob(3, "shard-00003", [], {"status": "done", "rows": 1, "seconds": 1.0}))
     with caplog.at_level("WARNING"):
         writer.close()
@@ -584,7 +579,7 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
 
     full.write_json = no_room
     writer = BackgroundWriter(full, out, 1, recorded.append)
-    writer.add(0, "shard-00000", writer_samples(["a"], 0))
+    writer.add(0, "shard-00000", samples(["a"], 0, first=0))
     writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 1, "seconds": 1.0}))
     writer.close()
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
