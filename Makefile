@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint clean mutants
+.PHONY: venv demo test lint clean mutants mutants-e2e
 
 venv: $(VENV)/.installed
 
@@ -41,10 +41,10 @@ test: venv
 	$(BIN)/python -m compileall -q launcher jobs tools
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
-# Mutation checks of each room (sources, plan, ids, ledger, host, worker, jobs; pyproject's [tool.mutmut] and
-# tools/mutants.py): every surviving mutant is a change of the product that the fast tests do not notice. Each
-# mutant runs only the fast tests that call its function (mutmut's stats run), two at a time, unless ty refuses it
-# first. Not part of `make test`.
+# Mutation checks of each room (sources, plan, ids, ledger, checks, host, publish, worker, jobs; pyproject's
+# [tool.mutmut] and tools/mutants.py): every surviving mutant is a change of the product that the fast tests do not
+# notice. Each mutant runs only the fast tests that call its function (mutmut's stats run), two at a time, unless ty
+# refuses it first. Not part of `make test`.
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
 # room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs
 # only the room's mutants that the last run did not kill (after new tests).
@@ -52,6 +52,11 @@ ROOM ?= all
 ARGS ?=
 mutants: venv
 	$(BIN)/python tools/mutants.py $(ROOM) --max-children 2 $(ARGS)
+
+# `make mutants-e2e ROOM=host` (after `make mutants ROOM=host`): a sample of the room's mutants that no fast test
+# reaches, each run against the launched tests that reach its module (tools/mutants_e2e.py).
+mutants-e2e: venv
+	$(BIN)/python tools/mutants_e2e.py $(ROOM) $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check --fix .

@@ -126,7 +126,7 @@ DESCRIPTIONS: dict[str, str] = {
     "testing.hold_batches_until": "Each batch, once generated, waits until this file exists (race tests).",
 }
 
-# Keys with a fixed set of values (the preflight refuses any other: launcher/host/checks.py).
+# Keys with a fixed set of values (the preflight refuses any other: launcher/checks/settings.py).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "device": ("auto", "tpu", "cuda", "cpu"),
     "job": ("text_to_image", "edit"),

@@ -96,7 +96,7 @@ def ensure_downloaded(cfg) -> None:
             continue
         from huggingface_hub import snapshot_download
 
-        from launcher.host.download import hub_answers
+        from launcher.checks.download import hub_answers
 
         patterns = [ref.weight_name] if ref.weight_name else ["*.safetensors"]
         try:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import launch
 
+from launcher.checks.settings import check_mesh, local_chip_count
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.host.checks import check_mesh, local_chip_count
 
 SECONDS = 20  # generous for a loaded 2-core machine; a model load or a network timeout would take longer
 TIMES: dict[str, float] = {}
@@ -207,7 +207,7 @@ def test_bad_input_exits_2_with_one_clear_line(case, tiny_model, bad, tmp_path, 
 @pytest.mark.parametrize("device", ["cuda", "tpu"])
 def test_more_processes_than_chips(device, monkeypatch):
     monkeypatch.setattr("launcher.worker.dist.resolve_device", lambda d: device)
-    monkeypatch.setattr("launcher.host.checks.local_chip_count", lambda d: 4 if d == device else None)
+    monkeypatch.setattr("launcher.checks.settings.local_chip_count", lambda d: 4 if d == device else None)
     check_mesh(load_config("tiny", [f"device={device}", "mesh.dp=2", "mesh.tp=2"]))  # 4 on 4 chips: fine
     with pytest.raises(ConfigError, match=rf"= 8 processes per host but this host has 4 {device} chips"):
         check_mesh(load_config("tiny", [f"device={device}", "mesh.dp=4", "mesh.tp=2"]))
@@ -234,7 +234,7 @@ def test_chip_counts_come_from_the_host_without_opening_a_chip(monkeypatch):
 def test_a_cached_hub_id_passes_and_workers_stay_offline(tiny_model, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from launcher.host.model_checks import check_model, locate
+    from launcher.checks.model_checks import check_model, locate
 
     def check(cfg):
         check_model(cfg, locate(cfg))

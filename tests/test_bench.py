@@ -174,9 +174,9 @@ def test_nightly_table_marks_a_missed_target(tools):
     assert "wall <= 30: met" in lines["grown"] and "peak <= 1.5: MISSED" in lines["grown"]
 
     seen = [
-        (1.0, "[launcher] 00:00:01 DEBUG launcher.host.preflight: preflight: output"),
-        (2.5, "[launcher] 00:00:02 DEBUG launcher.host.preflight: preflight: prompts"),
-        (9.0, "[launcher] 00:00:09 DEBUG launcher.host.preflight: preflight: fetch"),
+        (1.0, "[launcher] 00:00:01 DEBUG launcher.checks.preflight: preflight: output"),
+        (2.5, "[launcher] 00:00:02 DEBUG launcher.checks.preflight: preflight: prompts"),
+        (9.0, "[launcher] 00:00:09 DEBUG launcher.checks.preflight: preflight: fetch"),
         (9.5, "error: shards [0, 7] are done but their prompts changed since (samples u1, u2); rerun with ..."),
     ]
     assert plan_seconds(seen)["plan_s"] == 7.0 and plan_seconds(seen)["steps_s"]["prompts"] == 6.5

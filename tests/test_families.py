@@ -225,9 +225,9 @@ def test_what_a_family_cannot_do_exits_2_at_preflight(case, tiny_family, tmp_pat
 
 
 def test_a_missing_tiny_model_is_built_only_at_its_own_location():
+    from launcher.checks.family_checks import tiny_family
     from launcher.config import REPO_ROOT, load_config
     from launcher.errors import ConfigError
-    from launcher.host.family_checks import tiny_family
 
     for conf_model, name in (("tiny_flux2", "flux2"), ("tiny_sd3", "sd3"), ("tiny_flux2_klein", "flux2_klein")):
         cfg = load_config("tiny", [f"model={conf_model}"])

@@ -24,13 +24,13 @@ def work_cfg(shard_size=100, **generate):
 @pytest.fixture
 def one_mib_an_image(monkeypatch):
     """Each image of the configured size estimated at exactly 1 MiB of files, so a shard's bytes are its images."""
-    import launcher.host.space
+    import launcher.checks.space
 
-    monkeypatch.setattr(launcher.host.space, "estimate_bytes", lambda cfg, images: images * MIB)
+    monkeypatch.setattr(launcher.checks.space, "estimate_bytes", lambda cfg, images: images * MIB)
 
 
 def test_a_shard_is_bounded_at_20_gib_of_files_and_the_fix_names_the_largest_shard_size(one_mib_an_image):
-    from launcher.host.work_bounds import check_work
+    from launcher.checks.work_bounds import check_work
 
     roomy = 10**15  # the host's memory: only the shard bound is under test
     # 2 images a prompt: 10,240 prompts are 20,480 images, 20 GiB exactly, which is within the bound
@@ -45,7 +45,7 @@ def test_a_shard_is_bounded_at_20_gib_of_files_and_the_fix_names_the_largest_sha
 
 
 def test_a_sweep_to_a_larger_size_counts_its_variants_and_its_largest_images(one_mib_an_image):
-    from launcher.host.work_bounds import check_work
+    from launcher.checks.work_bounds import check_work
 
     # 3 variants of 2 images a prompt, the largest 128x64: each prompt 6 images of up to 2 MiB, 12 MiB a prompt
     cfg = work_cfg(shard_size=1707, sweep={"height": [32, 128, 64]})
@@ -60,16 +60,16 @@ def test_a_sweep_to_a_larger_size_counts_its_variants_and_its_largest_images(one
 
 
 def test_a_prompt_whose_images_alone_pass_the_bound_asks_for_fewer_images(monkeypatch):
-    import launcher.host.space
-    from launcher.host.work_bounds import check_work
+    import launcher.checks.space
+    from launcher.checks.work_bounds import check_work
 
-    monkeypatch.setattr(launcher.host.space, "estimate_bytes", lambda cfg, images: images * 11 * GIB)
+    monkeypatch.setattr(launcher.checks.space, "estimate_bytes", lambda cfg, images: images * 11 * GIB)
     with pytest.raises(ConfigError, match="22.0 GiB .* use fewer generate.images_per_prompt or sweep values$"):
         check_work(work_cfg(shard_size=1), procs_per_host=1, host_bytes=10**15)
 
 
 def test_one_call_is_bounded_by_half_the_hosts_memory_over_its_processes(one_mib_an_image):
-    from launcher.host.work_bounds import check_work
+    from launcher.checks.work_bounds import check_work
 
     # 2 x 2 images of 64x64x3 values, each held as float32 (4 bytes), then in up to queue_shards + 2 = 4 uint8
     # copies: 4 * 12,288 * 8 = 393,216 bytes; half of the host over 3 processes must hold that
@@ -90,7 +90,7 @@ def test_one_call_is_bounded_by_half_the_hosts_memory_over_its_processes(one_mib
 
 
 def test_the_card_names_hub_models_and_sources_by_address_and_local_ones_without_their_folder(tmp_path):
-    from launcher.host.card_facts import is_hub_id, model_name, public, source_name
+    from launcher.publish.card_facts import is_hub_id, model_name, public, source_name
 
     assert is_hub_id("black-forest-labs/FLUX.1-schnell") and model_name("org/m_1.5") == "`org/m_1.5`"
     (tmp_path / "org" / "model").mkdir(parents=True)  # a local folder that looks like a Hub id is local
@@ -106,7 +106,7 @@ def test_the_card_names_hub_models_and_sources_by_address_and_local_ones_without
 
 
 def test_the_cards_settings_are_every_fingerprinted_value_but_the_models_and_weights_by_digest():
-    from launcher.host.card_facts import settings_lines, weights_lines
+    from launcher.publish.card_facts import settings_lines, weights_lines
 
     settings = {
         "model": {"path": "/m", "weights": {"vae": "sha-v", "transformer": "sha-t"}, "loras": [1], "dtype": "bf16"},
@@ -122,8 +122,8 @@ def test_the_cards_settings_are_every_fingerprinted_value_but_the_models_and_wei
 
 
 def test_the_cards_runs_are_listed_by_start_with_what_each_made(tmp_path):
-    from launcher.host.card_facts import runs_section
     from launcher.ledger.store import Store
+    from launcher.publish.card_facts import runs_section
 
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -145,7 +145,7 @@ def test_the_cards_runs_are_listed_by_start_with_what_each_made(tmp_path):
 
 
 def test_the_dry_run_says_how_shards_spread_over_replicas_and_warns_of_idle_ones():
-    from launcher.host.cost import replica_lines
+    from launcher.checks.cost import replica_lines
 
     assert replica_lines(10, 40, 4, 2, 2) == [
         "# replicas: 4 (dp=2 x 2 workers); 10 shards to generate, 2.5 per replica"
@@ -162,8 +162,8 @@ def test_the_dry_run_says_how_shards_spread_over_replicas_and_warns_of_idle_ones
 
 
 def test_the_dry_runs_durations_and_sizes_take_the_largest_unit_they_fill():
-    from launcher.host.cost import duration
-    from launcher.host.space import size_text
+    from launcher.checks.cost import duration
+    from launcher.checks.space import size_text
 
     assert [duration(s) for s in (0.4, 59.6, 60, 5400, 3600 * 30, 86400 * 2.25)] == [
         "0 s",
@@ -185,7 +185,7 @@ def test_the_dry_runs_durations_and_sizes_take_the_largest_unit_they_fill():
 
 
 def test_a_models_bytes_on_disk_count_each_blob_once_and_skip_a_link_to_nothing(tmp_path):
-    from launcher.host.cost import disk_bytes
+    from launcher.checks.cost import disk_bytes
 
     blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc" / "unet"
     blobs.mkdir()
@@ -199,7 +199,7 @@ def test_a_models_bytes_on_disk_count_each_blob_once_and_skip_a_link_to_nothing(
 
 
 def test_the_output_line_says_the_images_size_the_room_and_warns_when_they_do_not_fit(tmp_path):
-    from launcher.host.cost import output_lines
+    from launcher.checks.cost import output_lines
     from launcher.ledger.store import Store
 
     cfg = OmegaConf.create({"generate": {"height": 100, "width": 100}, "output": {"format": "jpeg"}})
@@ -219,7 +219,7 @@ def test_the_output_line_says_the_images_size_the_room_and_warns_when_they_do_no
 
 
 def test_hub_ids_are_org_name_or_name_and_anything_like_a_path_is_a_path():
-    from launcher.host.model_files import looks_like_hub_id
+    from launcher.checks.model_files import looks_like_hub_id
 
     ids = ["black-forest-labs/FLUX.1-dev", "gpt2"]
     paths = ["/abs/model", "./rel", "../up", "~/home", "a/b/c", "org/name/", ".hidden"]
@@ -245,7 +245,7 @@ def pipeline_folder(root, transformer_files=("a.safetensors", "b.safetensors")):
 
 
 def test_a_pipeline_missing_a_component_or_a_weight_shard_is_incomplete_by_file_names(tmp_path):
-    from launcher.host.model_files import check_components, read_json
+    from launcher.checks.model_files import check_components, read_json
 
     pipeline_folder(tmp_path / "whole")
     check_components("m", tmp_path / "whole")
@@ -330,13 +330,13 @@ def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_fi
 
 
 def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states(tmp_path):
-    """launcher/host/card.py's summarize, which the card, the report and the status tool read: every shard of run.json
-    with what its state says, pending where it has none; a state from before `finished_at` finished when its file was
-    written (`time_source` says so); time summed over the shards that ran, failed ones included."""
+    """launcher/publish/card.py's summarize, which the card, the report and the status tool read: every shard of
+    run.json with what its state says, pending where it has none; a state from before `finished_at` finished when its
+    file was written (`time_source` says so); time summed over the shards that ran, failed ones included."""
     import os
 
-    from launcher.host.card import summarize
     from launcher.ledger.store import Store
+    from launcher.publish.card import summarize
 
     (tmp_path / "state").mkdir()
     (tmp_path / "run.json").write_text(json.dumps({"shards": 5, "note": "kept whole"}))
@@ -394,7 +394,7 @@ def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states
 
 
 def test_the_card_says_how_images_are_stored_and_what_each_sweep_variant_is():
-    from launcher.host.card import files_section, sweep_text
+    from launcher.publish.card import files_section, sweep_text
 
     assert files_section({"format": "png", "png_level": 3, "row_group_size": 64}) == (
         "- images: png (lossless, zlib level 3), stored as the `image` column's bytes\n"
@@ -423,7 +423,7 @@ def test_the_card_says_how_images_are_stored_and_what_each_sweep_variant_is():
 def test_the_cards_license_loras_kept_stale_shards_and_feature_types():
     import pyarrow as pa
 
-    from launcher.host.card import _arrow_feature, _feature, _loras_lines, hub_license, kept_text, size_category
+    from launcher.publish.card import _arrow_feature, _feature, _loras_lines, hub_license, kept_text, size_category
 
     assert hub_license("") == hub_license("  ") == {}
     assert hub_license(" Apache-2.0 ") == {"license": "apache-2.0"}
@@ -507,8 +507,8 @@ SETTINGS_REFUSED = {
 
 @pytest.mark.parametrize("override", SETTINGS_REFUSED)
 def test_each_setting_out_of_its_range_is_one_line_naming_the_key_and_the_value(override):
+    from launcher.checks.settings import check_settings
     from launcher.config import load_config
-    from launcher.host.checks import check_settings
 
     with pytest.raises(ConfigError) as e:
         check_settings(load_config("tiny", [override]))
@@ -516,8 +516,8 @@ def test_each_setting_out_of_its_range_is_one_line_naming_the_key_and_the_value(
 
 
 def test_settings_at_their_bounds_pass_and_a_testing_hold_file_needs_its_folder(tmp_path):
+    from launcher.checks.settings import check_settings
     from launcher.config import load_config
-    from launcher.host.checks import check_settings
 
     ones = [f"{k}=1" for k in ("generate.num_inference_steps", "generate.batch_size", "run.shard_size")]
     edges = ["testing.batch_sleep_s=60", "generate.guidance_scale=0", "run.shards=[0]", "output.metrics=/m.prom"]

@@ -20,7 +20,7 @@ import yaml
 from conftest import REPO, pixels, read_rows
 from PIL import Image
 
-from launcher.host.card import write_card
+from launcher.publish.card import write_card
 
 VOID = {"meta", "img", "br", "hr", "input", "link"}
 
@@ -105,7 +105,7 @@ def test_card_of_an_unfinished_run_names_only_the_done_shards(run_job, tmp_path)
     out = copy_run(run_job(), tmp_path / "run")
     edit_state(out, 1, status="failed", error="RuntimeError: boom", images_per_s=None)
     (out / "state" / "shard-00002.json").unlink()
-    res = subprocess.run([sys.executable, "-m", "launcher.host.card", str(out)], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "launcher.publish.card", str(out)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     card = (out / "README.md").read_text()
     front = front_matter(card)
@@ -160,7 +160,7 @@ def test_contact_sheet_cli_writes_the_png(run_job, tmp_path, tools):
 
 
 def test_finish_times_fall_back_to_the_state_files_times(run_job, tmp_path):
-    from launcher.host.card import open_run, summarize
+    from launcher.publish.card import open_run, summarize
 
     out = copy_run(run_job(), tmp_path / "run")
     for i in range(3):

@@ -55,8 +55,8 @@ def test_call_kwargs_and_scales_outside_the_bounds_are_refused(case, tiny_model,
 
 def test_a_plain_call_kwarg_within_bounds_passes_and_is_recorded(tiny_model):
     """What the pipeline is called with is what run.json fingerprints (model.call_kwargs, as given)."""
+    from launcher.checks.settings import check_settings
     from launcher.config import load_config
-    from launcher.host.checks import check_settings
     from launcher.plan.shards import settings
 
     over = ["model.call_kwargs.text_encoder_out_layers=[1,2]", "+model.call_kwargs.caption_upsample_temperature=0.7"]

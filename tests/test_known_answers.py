@@ -115,9 +115,9 @@ def test_a_done_shard_whose_prompts_changed_is_stale(tmp_path):
 def test_a_dry_run_on_a_host_with_chips_checks_their_count(launcher_main, default_model, monkeypatch, capsys):
     """A CUDA host with 4 chips, a job of 8 processes on it: the dry run exits 2 as the real run would, naming
     the count (CPU hosts never reach this check: they have no chip count)."""
-    import launcher.host.checks
+    import launcher.checks.settings
 
-    monkeypatch.setattr(launcher.host.checks, "local_chip_count", lambda device: 4 if device == "cuda" else None)
+    monkeypatch.setattr(launcher.checks.settings, "local_chip_count", lambda device: 4 if device == "cuda" else None)
     code = launcher_main(["--dry-run", PROMPTS, "device=cuda", "mesh.chip=h100", "mesh.dp=8", "mesh.tp=1"])
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]

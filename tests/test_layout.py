@@ -10,7 +10,11 @@ import pytest
 LAUNCHER = Path(__file__).resolve().parent.parent / "launcher"
 # room -> rooms it must never import (the root's shared modules and launcher/models are open to all)
 BOOKS = ("sources", "plan", "ids", "ledger")  # the bookkeeping: rows in, the plan (by row and by id), what is done
-FORBIDDEN = {room: ("host", "worker") for room in BOOKS} | {"worker": ("host",), "models": ("host", "worker", *BOOKS)}
+# host runs a job; checks/ is its preflight (which applies the worker's rules) and publish/ its dataset card (which
+# describes the worker's files) and push, which a tool also runs without a job
+RUNS = ("host", "checks", "publish", "worker")
+FORBIDDEN = {room: RUNS for room in BOOKS} | {"models": (*RUNS, *BOOKS), "worker": ("host", "checks", "publish")}
+FORBIDDEN |= {"checks": ("host", "publish"), "publish": ("host", "checks")}
 
 
 def _imports(path: Path) -> set[str]:

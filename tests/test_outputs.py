@@ -100,7 +100,7 @@ def test_the_defaults_embed_and_write_no_files(tmp_path):
     ],
 )
 def test_the_space_estimate_counts_the_copies_written(overrides, copies):
-    from launcher.host.space import estimate_bytes
+    from launcher.checks.space import estimate_bytes
 
     cfg = load_config("tiny", ["generate.height=1024", "generate.width=1024", *overrides])
     assert estimate_bytes(cfg, 10) == int(10 * 1024 * 1024 * 1.8 * copies)
@@ -275,6 +275,6 @@ def test_every_column_the_writer_makes_is_reserved():
     ],
 )
 def test_the_card_says_where_the_images_are(output, says):
-    from launcher.host.card import files_section
+    from launcher.publish.card import files_section
 
     assert f"- images: png (lossless, zlib level 1), {says}" in files_section({"format": "png", **output})

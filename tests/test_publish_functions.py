@@ -1,4 +1,4 @@
-"""Fast tests of publishing (launcher/host/publish.py, push_targets.py) in this process, from a run folder written
+"""Fast tests of publishing (launcher/publish/push.py, push_targets.py) in this process, from a run folder written
 here by hand as DESIGN.md lays it out (run.json, state/shard-N.json with each file's [size, sha256], data/, images/),
 to a folder target: which files go, in which batches, what a second push sends, and what it removes. The Hub and
 object-store targets are run end to end in test_publish.py."""
@@ -55,7 +55,7 @@ def sent_files(site: Path) -> dict[str, bytes]:
 
 
 def test_a_push_sends_each_done_shards_recorded_files_once_and_nothing_else(run, tmp_path):
-    from launcher.host.publish import publish
+    from launcher.publish.push import publish
 
     site = tmp_path / "site"
     said = []
@@ -78,7 +78,7 @@ def test_a_push_sends_each_done_shards_recorded_files_once_and_nothing_else(run,
 
 
 def test_a_regenerated_shard_replaces_its_files_and_removes_those_it_no_longer_has(run, tmp_path):
-    from launcher.host.publish import publish
+    from launcher.publish.push import publish
 
     site = tmp_path / "site"
     publish(str(run), str(site), card=False)
@@ -96,8 +96,8 @@ def test_a_regenerated_shard_replaces_its_files_and_removes_those_it_no_longer_h
 
 
 def test_a_damaged_shard_is_left_out_with_a_warning_and_no_images_keeps_a_shard_without_data(run, tmp_path, caplog):
-    from launcher.host.publish import dataset_shards, publish
     from launcher.ledger.store import Store
+    from launcher.publish.push import dataset_shards, publish
 
     (run / "data" / "shard-00001.parquet").write_bytes(b"cut")  # 3 bytes where its state recorded 9
     shard(run, 3, {"images/shard-00003/b.png": b"only-images"})  # output.parquet=false: the images are the dataset
@@ -113,8 +113,8 @@ def test_a_damaged_shard_is_left_out_with_a_warning_and_no_images_keeps_a_shard_
 
 
 def test_batches_hold_whole_shards_within_the_file_and_byte_bounds(monkeypatch):
-    from launcher.host import publish
-    from launcher.host.push_targets import StoreTarget
+    from launcher.publish import push as publish
+    from launcher.publish.targets import StoreTarget
 
     class Target:
         same = staticmethod(StoreTarget.same)
@@ -143,7 +143,7 @@ def test_batches_hold_whole_shards_within_the_file_and_byte_bounds(monkeypatch):
 
 
 def test_a_target_inside_the_run_or_of_another_kind_is_refused_before_anything_is_sent(run, tmp_path):
-    from launcher.host.publish import publish
+    from launcher.publish.push import publish
 
     for target, words in (
         (str(run / "pub"), f"cannot publish {run} into itself"),
@@ -159,9 +159,9 @@ def test_a_target_inside_the_run_or_of_another_kind_is_refused_before_anything_i
 
 
 def test_the_publish_command_says_what_it_sent_and_exits_0_2_or_3(run, tmp_path, capsys, monkeypatch):
-    """`python -m tools.publish OUTPUT_DIR TARGET` (launcher/host/publish.py main): 0 with a line of what was sent;
+    """`python -m tools.publish OUTPUT_DIR TARGET` (launcher/publish/push.py main): 0 with a line of what was sent;
     2 and one line for a refusal before anything is sent; 3 and one line when the push stops part way."""
-    from launcher.host import publish
+    from launcher.publish import push as publish
 
     # a run.json and Parquet files as a run writes them: the card reads both
     config = {"name": "job", "device": "cpu", "model": {"path": "org/model", "dtype": "bfloat16"}, "job": "t2i"}
@@ -189,7 +189,7 @@ def test_the_publish_command_says_what_it_sent_and_exits_0_2_or_3(run, tmp_path,
     def broken(self, run, batch, message):
         raise ConnectionError("reset by peer\nmore lines")
 
-    from launcher.host.push_targets import StoreTarget
+    from launcher.publish.targets import StoreTarget
 
     monkeypatch.setattr(StoreTarget, "push", broken)
     assert publish.main([str(run), str(tmp_path / "other")]) == 3
@@ -206,7 +206,7 @@ def test_a_bucket_target_takes_each_file_as_an_object_and_a_missing_bucket_is_on
     is refused before anything is sent."""
     import boto3
 
-    from launcher.host.publish import publish
+    from launcher.publish.push import publish
 
     target = "s3://meshgen-test/published/set"
     assert publish(str(run), target, card=False)["files"] == 3

@@ -205,8 +205,8 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
 def test_the_memory_plan_counts_the_quality_models_per_rank():
     """CLIP ViT-L/14 has 427,616,513 parameters (its model card's 428M; the checker is its vision tower and
     projection, ~304M); each writing rank holds them whole, in model.dtype, on top of the pipeline's share."""
+    from launcher.checks import memory, mesh_plan
     from launcher.config import load_config
-    from launcher.host import memory, mesh_plan
 
     base = ["model.dtype=bfloat16", "mesh.tp=2"]
     plain, clip = load_config("tiny", base), load_config("tiny", [*base, "quality.clip_score=true"])
@@ -233,7 +233,7 @@ def test_the_launcher_downloads_the_quality_models_once_for_offline_workers(qual
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "", "PATH": os.environ["PATH"]}
     code = (
         "import os, sys; from launcher.config import load_config; from launcher.errors import ConfigError\n"
-        "from launcher.host.quality_models import fetch_quality_models\n"
+        "from launcher.checks.quality_models import fetch_quality_models\n"
         "cfg = load_config('tiny', sys.argv[1:])\n"
         "try:\n    fetch_quality_models(cfg)\nexcept ConfigError as e:\n    print(e); sys.exit(2)\n"
         "os.environ['HF_HUB_OFFLINE'] = '1'\n"

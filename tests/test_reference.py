@@ -30,7 +30,7 @@ def test_every_schema_key_has_a_description_and_no_description_is_stale():
 @pytest.mark.parametrize("key", sorted(ALLOWED))
 def test_allowed_values_are_what_the_checks_accept(key):
     """Each listed value passes the preflight's settings check; a value not listed is refused naming the key."""
-    from launcher.host.checks import check_settings
+    from launcher.checks.settings import check_settings
 
     for value in ALLOWED[key]:
         check_settings(load_config("tiny", [f"{key}={value}"]))

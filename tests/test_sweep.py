@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import bare_flux2, launch, pixels, read_rows
 
+from launcher.checks.settings import check_settings
 from launcher.config import load_config
 from launcher.errors import ConfigError
-from launcher.host.checks import check_settings
 from launcher.plan.shards import settings, settings_fingerprint
 
 PROMPTS = [("cat", None), ("dog", None), ("sky", 7)]  # (id, the row's own seed); 2 shards of 2 prompts
@@ -221,7 +221,7 @@ def test_lora_scale_and_true_cfg_sweeps_plan_their_batches_and_columns():
     from omegaconf import OmegaConf
 
     from jobs.text_to_image import make_batches
-    from launcher.host.sweep_checks import check_sweep_model
+    from launcher.checks.sweep_checks import check_sweep_model
     from launcher.worker.writer import schema_of
 
     gen = load_config("tiny", ["generate.sweep={true_cfg_scale:[1.0,2.0],lora_scale.1:[0.5,1.0]}"]).generate

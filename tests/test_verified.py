@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, launch, read_rows
 
-from launcher.host.card import card_text
 from launcher.ledger.states import Ledger
 from launcher.ledger.store import Store
+from launcher.publish.card import card_text
 
 # The default tiny job's 20 prompts in 5 shards of 4, with every kind of output file; one worker.
 JOB = ("mesh.tp=1", "run.shard_size=4", "output.image_files=true", "output.webdataset=true")

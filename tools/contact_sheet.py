@@ -19,9 +19,9 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from launcher.errors import ConfigError, error_line
-from launcher.host.card import open_run, shard_name, summarize, write_output
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR
 from launcher.ledger.store import Store
+from launcher.publish.card import open_run, shard_name, summarize, write_output
 from launcher.worker.encode import EXTENSIONS
 
 THUMB = 192  # each image is fitted into a THUMB x THUMB square

@@ -22,10 +22,10 @@ from contact_sheet import contact_sheet, png_bytes
 from status import rerun_command
 
 from launcher.errors import ConfigError, error_line
-from launcher.host.card import open_run, summarize, write_output
 from launcher.ledger.runs import read_records
 from launcher.ledger.states import Ledger, read_state
 from launcher.ledger.verify import listed_damage
+from launcher.publish.card import open_run, summarize, write_output
 
 W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 260, 56, 40, 16, 16
 STYLE = """body{font:14px system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}

@@ -20,8 +20,9 @@ from contextlib import contextmanager
 
 from omegaconf import OmegaConf
 
+from launcher.checks.settings import store_address
 from launcher.errors import ConfigError
-from launcher.host.peers import CONNECT_FOR_S, OP_TIMEOUT_S, connect, key, store_address
+from launcher.host.peers import CONNECT_FOR_S, OP_TIMEOUT_S, connect, key
 
 # Keys each host may set for itself: where this host's progress goes, and the push that only host 0 makes.
 LOCAL_KEYS = ("config.output.metrics", "config.output.publish", "config.run.overwrite")

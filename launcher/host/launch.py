@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from launcher.checks import prepare
+from launcher.checks.space import best_effort, warn_if_short
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld, OutputRefused
-from launcher.host import prepare
-from launcher.host.space import best_effort, warn_if_short
 from launcher.host.summary import Progress, summarize
 from launcher.host.worker_start import start_method
 from launcher.worker.execution import mode_env
@@ -109,7 +109,8 @@ def run_hosts(cfg, plan_: LaunchPlan, logs=None) -> int:
     args = plan_.torchrun_args
     if cfg.mesh.nodes == 1:
         return run_elastic(args, logs, plan_.start)
-    from launcher.host.peers import PeerWatch, store_address
+    from launcher.checks.settings import store_address
+    from launcher.host.peers import PeerWatch
 
     node = int(os.environ.get("NODE_RANK", "0"))
     with PeerWatch(node, cfg.mesh.nodes, *store_address()) as watch:
@@ -122,7 +123,7 @@ def run_hosts(cfg, plan_: LaunchPlan, logs=None) -> int:
 
 
 def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
-    """`pf`: the preflight's findings (launcher/host/preflight.py): the output folder, its ledger, the plan.
+    """`pf`: the preflight's findings (launcher/checks/preflight.py): the output folder, its ledger, the plan.
 
     The workers' server is forked here, before the books start their threads (launcher/host/worker_start.py)."""
     from launcher.host.agreement import hosts_agree
@@ -143,16 +144,16 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
 def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     """The books of the run (lock, plan, records, summary), the workers in between. On a job over several hosts
     the first host's launcher keeps them; the others only run their workers."""
-    from launcher.host.card import write_card
+    from launcher.checks.space import stopped_by_space
     from launcher.host.metrics import metrics_file
-    from launcher.host.publish_run import start_publisher
-    from launcher.host.space import stopped_by_space
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
     from launcher.ledger.states import Ledger, clean_tmp
     from launcher.plan.plan import make_plan, tidy
     from launcher.plan.plan_ids import commit_ids
     from launcher.plan.stale import record_kept
+    from launcher.publish.card import write_card
+    from launcher.publish.run import start_publisher
     from launcher.sources import rejected
     from launcher.workers import resolve_workers
 
@@ -291,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--dry-run"]
     try:
         show_cfg = _take_cfg_flag(argv)
+        from launcher.checks.preflight import preflight
         from launcher.config import job_file, load_config, split_args
-        from launcher.host.preflight import preflight
 
         conf, overrides = split_args(argv)
         cfg = load_config(conf, overrides)
@@ -360,7 +361,7 @@ def dry_run_lines(pf) -> list[str]:
         at = f"{first['file']}, line {first['line']}" if first["file"] else f"row {first['position']}"
         n = len(plan.rejected)
         lines.append(f"# rejected: {n} rows set aside (dataset.bad_rows=skip), e.g. {at}: {first['reason']}")
-    from launcher.host.cost import cost_lines
+    from launcher.checks.cost import cost_lines
 
     lines += cost_lines(pf)  # replicas, output bytes and room, download, expected time
     index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host

@@ -28,39 +28,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from launcher.errors import ConfigError
-
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 10.0
 CONNECT_FOR_S = 900.0  # how long a host waits for the first host's store to come up (torch's own join timeout)
 OP_TIMEOUT_S = 3.0  # one store call; a slower answer counts as no answer
 RDZV_ID = "none"  # torchrun's default --rdzv-id, which launch.py's multi-host command keeps
-
-
-def store_address() -> tuple[str, int]:
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-
-
-def check_store_port(node_rank: int) -> None:
-    """On the first host, the rendezvous port must be free: torch's agent binds it, and fails deep inside."""
-    if node_rank != 0:
-        return
-    import errno
-
-    _, port = store_address()
-    for family in (socket.AF_INET6, socket.AF_INET):  # torch's store listens on both where it can
-        with socket.socket(family) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", port))
-            except OSError as e:
-                if e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
-                    continue  # no IPv6 here
-                raise ConfigError(
-                    f"MASTER_PORT {port} cannot be bound on this host ({e.strerror}); another program holds it: "
-                    "pick a free port and set MASTER_PORT to it on every host"
-                ) from None
 
 
 class PeerWatch:

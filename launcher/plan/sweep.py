@@ -70,7 +70,7 @@ def lora_index(key: str) -> int | None:
 def check_sweep(gen, loras) -> None:
     """Keys known, values lists of numbers within the bounds of a config value, no value twice (exit 2 naming
     the key and value). Sizes against the model's size factor are checked where the model is known
-    (launcher/host/sweep_checks.py)."""
+    (launcher/checks/sweep_checks.py)."""
     s = raw_sweep(gen)
     if not isinstance(s, dict):
         raise ConfigError(f"generate.sweep={s!r} must map keys to lists, e.g. {{guidance_scale: [2.5, 4.0]}}")

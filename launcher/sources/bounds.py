@@ -6,7 +6,7 @@ the kernel's OOM killer, and every rerun repeats it; `guidance_scale=inf` gives 
 marked done; a 100 MB prompt is read whole by every rank that generates it, although the text encoder keeps only
 its first `generate.max_sequence_length` tokens. So both prompt readers (launcher/sources/prompts.py, exact, and
 prompts_fast.py, vectorised), the sweep's check (launcher/plan/sweep.py) and the config check
-(launcher/host/checks.py) refuse them at planning, exit 2, naming the file and the line or the key, and the bound.
+(launcher/checks/settings.py) refuse them at planning, exit 2, naming the file and the line or the key, and the bound.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def run_shard(w: Worker, shard: Shard) -> bool:
     except Exception as e:
         batches, local = [], f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     error = _agree(groups, local)
-    # set_lora_scales: the hook that re-fuses LoRAs per swept scale, once that exists (launcher/host/sweep_checks.py)
+    # set_lora_scales: the hook that re-fuses LoRAs per swept scale, once that exists (launcher/checks/sweep_checks.py)
     steps = shard_steps(w.pipe, [] if error else batches, cfg, job, set_lora_scales=None)  # tp ranks skip together
     for batch, step in steps:
         local = mark = new = None

@@ -41,7 +41,7 @@ WORKER_FLAG = "--calibration-worker-mb"  # this module as the calibration's torc
 STEP = re.compile(r"\[launcher\].* preflight: ([\w ]+)$")
 PLAN_END = re.compile(r"INFO __main__: generating \d+ shards|INFO __main__: nothing to do|^error:")
 # The launcher's preflight names each step at debug level; this turns those lines on, and nothing else.
-SITE = 'import logging\nlogging.getLogger("launcher.host.preflight").setLevel(logging.DEBUG)\n'
+SITE = 'import logging\nlogging.getLogger("launcher.checks.preflight").setLevel(logging.DEBUG)\n'
 COMMAND = ["dataset.id_column=uid", "run.shard_size=256"]
 GENERATING = re.compile(r"INFO __main__: generating (\d+) shards")
 STALE = re.compile(r"shards \[([\d, ]*)\] are done but")

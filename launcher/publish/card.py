@@ -1,4 +1,4 @@
-"""What a run folder says about itself, and its dataset card: `python -m launcher.host.card OUTPUT_DIR`.
+"""What a run folder says about itself, and its dataset card: `python -m launcher.publish.card OUTPUT_DIR`.
 
 Everything here reads only the run folder (run.json, state/, data/), through a `Store`, so the card and the
 inspection tools (tools/contact_sheet.py, tools/report.py) work during a run, after it, or on a copy. The card is
@@ -17,10 +17,10 @@ from pathlib import Path
 import yaml
 
 from launcher.errors import ConfigError, error_line
-from launcher.host.card_facts import model_name, runs_section, settings_lines, source_name, weights_lines
 from launcher.ledger.states import DATA_DIR, STATE_DIR, read_states
 from launcher.ledger.store import Store
 from launcher.plan.stale import KEPT_IDS, kept_stale
+from launcher.publish.card_facts import model_name, runs_section, settings_lines, source_name, weights_lines
 
 
 def open_run(out: str | Path | Store) -> Store:

@@ -5,7 +5,7 @@ Parquet rows point at them (output.embed_images=false), and the card, last. Neve
 claims/, locks/ or run.json: what a shard's state vouches for (its `files`, with their sizes and sha256) is the
 list, so a file the run did not write, or one of a damaged shard, is never sent. A target already holding a file
 with the same size and sha256 is not sent it again; a regenerated shard's files replace theirs, and a file the
-shard no longer has goes from the target in the same commit. The targets (launcher/host/push_targets.py) make
+shard no longer has goes from the target in the same commit. The targets (launcher/publish/targets.py) make
 each batch of shards appear at once (one Hub commit) or file by file with the data file after its images.
 """
 
@@ -123,7 +123,7 @@ def publish(
     target=None,
 ) -> dict:
     """Push the dataset of run folder `out` to `target_uri`; what was sent: {"shards", "files", "bytes", "card"}."""
-    from launcher.host.push_targets import open_target
+    from launcher.publish.targets import open_target
 
     run = out if isinstance(out, Store) else Store(out)
     if not run.exists("run.json"):

@@ -1,5 +1,5 @@
-"""What the dataset card (launcher/host/card.py) says of the model, the settings and the runs, without a local path
-or a host name: the card travels with the dataset (launcher/host/publish.py), the run folder's books do not.
+"""What the dataset card (launcher/publish/card.py) says of the model, the settings and the runs, without a local path
+or a host name: the card travels with the dataset (launcher/publish/push.py), the run folder's books do not.
 
 A local model or LoRA is named as local with its content hashes (which say exactly which weights made the
 images); a local prompt source by its file name. Runs are listed by date: their ids and commands hold host names

@@ -9,15 +9,15 @@ from pathlib import Path
 
 def fetch_model(cfg) -> None:
     """Build the project's own tiny model on first use, or download a hub id not yet cached (once per host)."""
-    from launcher.host.quality_models import fetch_quality_models
+    from launcher.checks.quality_models import fetch_quality_models
 
     fetch_quality_models(cfg)  # quality.*: their models too, for workers that may be offline
     if cfg.model.build and not Path(cfg.model.path).exists():
-        from launcher.host.family_checks import tiny_family
+        from launcher.checks.family_checks import tiny_family
 
         tiny_family(cfg).build_tiny(cfg.model.path)  # only at the tiny model's own location, else exit 2
         return
-    from launcher.host.download import ensure_downloaded
+    from launcher.checks.download import ensure_downloaded
 
     ensure_downloaded(cfg.model.path)
 

@@ -43,8 +43,8 @@ class Preflight:
 
 
 def settings(pf: Preflight) -> None:
+    from launcher.checks.settings import check_settings
     from launcher.config import renamed_keys_notice
-    from launcher.host.checks import check_settings
 
     check_settings(pf.cfg)
     if notice := renamed_keys_notice(pf.cfg):
@@ -53,7 +53,7 @@ def settings(pf: Preflight) -> None:
 
 def device(pf: Preflight) -> None:
     """The device the workers run on, and the named chip against it."""
-    from launcher.host.mesh_plan import check_chip
+    from launcher.checks.mesh_plan import check_chip
     from launcher.worker.dist import resolve_device
 
     if pf.cfg.device != "auto":
@@ -66,7 +66,7 @@ def device(pf: Preflight) -> None:
 def store_port(pf: Preflight) -> None:
     """A job over several hosts: the first host serves the rendezvous store on MASTER_PORT, which must be free."""
     if pf.cfg.mesh.nodes > 1:
-        from launcher.host.peers import check_store_port
+        from launcher.checks.settings import check_store_port
 
         check_store_port(int(os.environ.get("NODE_RANK", "0")))
 
@@ -80,7 +80,7 @@ def lora_files(pf: Preflight) -> None:
 
 def sweep(pf: Preflight) -> None:
     """`generate.sweep` against the model: swept sizes, and keys its family cannot follow."""
-    from launcher.host.sweep_checks import check_sweep_model
+    from launcher.checks.sweep_checks import check_sweep_model
 
     if pf.model.configs is not None:
         check_sweep_model(pf.cfg, pf.model)
@@ -88,7 +88,7 @@ def sweep(pf: Preflight) -> None:
 
 def loras(pf: Preflight) -> None:
     """`model.loras` against the model's components on the meta device (once the model's files are here)."""
-    from launcher.host.lora_checks import check_loras
+    from launcher.checks.lora_checks import check_loras
 
     if pf.model.root is not None:
         check_loras(pf.cfg, pf.model.root)
@@ -107,15 +107,15 @@ def weights(pf: Preflight) -> None:
 
 
 def model(pf: Preflight) -> None:
-    from launcher.host.model_checks import locate
+    from launcher.checks.model_checks import locate
 
     pf.model = locate(pf.cfg, pf.dry_run)
 
 
 def mesh(pf: Preflight) -> None:
     """`auto` resolved, the weights against the chip's memory, the processes against this host's chips."""
-    from launcher.host.checks import check_mesh, local_chip_count
-    from launcher.host.mesh_plan import plan_mesh
+    from launcher.checks.mesh_plan import plan_mesh
+    from launcher.checks.settings import check_mesh, local_chip_count
 
     if pf.model.configs is None and pf.cfg.mesh.tp == "auto" and not pf.dry_run:
         return  # tp=auto needs the model's configs: decided once `fetch` has them
@@ -129,7 +129,7 @@ def mesh(pf: Preflight) -> None:
 
 def model_fit(pf: Preflight) -> None:
     """The job against its model: family limits, tensor-parallel degree against its heads, sizes."""
-    from launcher.host.model_checks import check_model, size_rule
+    from launcher.checks.model_checks import check_model, size_rule
 
     check_model(pf.cfg, pf.model)
     pf.sizes = size_rule(pf.cfg, pf.model)
@@ -137,7 +137,7 @@ def model_fit(pf: Preflight) -> None:
 
 def output(pf: Preflight) -> None:
     """The output folder: writable, meshgen's own (or empty), made with these settings."""
-    from launcher.host.checks import check_output
+    from launcher.checks.settings import check_output
     from launcher.ledger import runs
     from launcher.ledger.store import Store
     from launcher.sources.reach import check_output_outside_source
@@ -163,7 +163,7 @@ def prompts(pf: Preflight) -> None:
 
 def fetch(pf: Preflight) -> None:
     """The model's files on this host; where its configs were not known before, the steps that need them now."""
-    from launcher.host.prepare import fetch_model
+    from launcher.checks.prepare import fetch_model
 
     known = pf.model.configs is not None
     fetch_model(pf.cfg)

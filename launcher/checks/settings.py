@@ -1,11 +1,12 @@
 """The job's own settings, the mesh's numbers against this host, and whether the output folder can be written:
-steps of the preflight (launcher/host/preflight.py), exit 2 on failure.
+steps of the preflight (launcher/checks/preflight.py), exit 2 on failure.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -217,3 +218,28 @@ def check_object_store(url: str) -> None:
             "(the AWS_* variables, or gcloud application default credentials; "
             "STORAGE_EMULATOR_HOST for a local GCS server)"
         )
+
+
+def store_address() -> tuple[str, int]:
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+
+
+def check_store_port(node_rank: int) -> None:
+    """On the first host, the rendezvous port must be free: torch's agent binds it, and fails deep inside."""
+    if node_rank != 0:
+        return
+    import errno
+
+    _, port = store_address()
+    for family in (socket.AF_INET6, socket.AF_INET):  # torch's store listens on both where it can
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+            except OSError as e:
+                if e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                    continue  # no IPv6 here
+                raise ConfigError(
+                    f"MASTER_PORT {port} cannot be bound on this host ({e.strerror}); another program holds it: "
+                    "pick a free port and set MASTER_PORT to it on every host"
+                ) from None

@@ -1,4 +1,4 @@
-"""Where a dataset is published (launcher/host/publish.py): a Hub dataset repo, or a folder on an object store.
+"""Where a dataset is published (launcher/publish/push.py): a Hub dataset repo, or a folder on an object store.
 
 Each target is probed when opened (one line, exit 2, before anything is sent: no token, a read-only token, a
 missing repo or bucket, no answer), lists what it holds with each file's size and sha256, and takes batches:
@@ -54,7 +54,7 @@ class HubTarget:
 
     def _probe(self) -> None:
         """One bounded request for the repo (a hub that does not answer is one line within HF_HUB_ETAG_TIMEOUT, as in
-        launcher/host/download.py), then the token's role: a read-only token would fail only at the first commit."""
+        launcher/checks/download.py), then the token's role: a read-only token would fail only at the first commit."""
         import httpx2
         from huggingface_hub import constants
         from huggingface_hub.errors import (
@@ -206,6 +206,6 @@ class StoreTarget:
 
 
 def _card(run: Store, repo_id: str | None) -> bytes:
-    from launcher.host.card import card_text
+    from launcher.publish.card import card_text
 
     return card_text(run, repo_id=repo_id).encode()

@@ -1,5 +1,5 @@
 """The quality models (quality.clip_model, quality.safety_model) on this host before any worker starts: a hub id
-not yet cached is downloaded once by the launcher, as the pipeline is (launcher/host/download.py), since the
+not yet cached is downloaded once by the launcher, as the pipeline is (launcher/checks/download.py), since the
 workers may run offline. Only what from_pretrained loads: configs, tokenizer files and the safetensors weights."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ def fetch_quality_models(cfg) -> None:
 
 
 def _fetch(path: str, what: str) -> None:
-    from launcher.host.model_files import looks_like_hub_id
+    from launcher.checks.model_files import looks_like_hub_id
 
     if Path(path).expanduser().is_dir() or not looks_like_hub_id(path) or os.environ.get("HF_HUB_OFFLINE") == "1":
         return  # a folder, or offline: from_pretrained says what is missing
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
-    from launcher.host.download import hub_answers
+    from launcher.checks.download import hub_answers
 
     try:
         hub_answers(path, what)

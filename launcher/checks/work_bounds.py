@@ -28,7 +28,7 @@ def largest_size(g) -> tuple[int, int]:
 
 def check_work(cfg, procs_per_host: int, host_bytes: int | None = None) -> None:
     """Refuse a shard whose files, or a call whose images, exceed their bounds (ConfigError naming the numbers)."""
-    from launcher.host.space import estimate_bytes
+    from launcher.checks.space import estimate_bytes
     from launcher.plan.sweep import n_variants
 
     g = cfg.generate

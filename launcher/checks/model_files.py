@@ -1,7 +1,7 @@
 """Where a pipeline's files are on this host and whether they are all there: a folder, or a hub id's snapshot in
 the Hugging Face cache. No network, no weights read (file names and config.json files only).
 
-Both the download (launcher/host/download.py) and the model checks (model_checks.py) ask this module; neither
+Both the download (launcher/checks/download.py) and the model checks (model_checks.py) ask this module; neither
 asks the other.
 """
 

@@ -21,7 +21,7 @@ LORA_SCALE_SWEEP = False
 def check_sweep_model(cfg, model) -> None:
     """Swept sizes against the model's size factor and its family's pixel limit (each combination), and keys
     the family or this version cannot follow (swept, or in model.call_kwargs). `model`: model_checks.Model."""
-    from launcher.host.model_checks import size_rule
+    from launcher.checks.model_checks import size_rule
     from launcher.models import GENERIC
 
     fam = getattr(model, "family", None) or GENERIC

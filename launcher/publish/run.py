@@ -5,7 +5,7 @@ the shards this run has finished to `RunPublisher.offer`, which never blocks it:
 one entry per shard) for a background thread that pushes whatever has gathered since its last push as one batch
 (one Hub commit). The target is probed when the run starts (a bad token or a missing repo is exit 2 before any
 shard is generated). A failed push never fails or loses a shard: the thread stops pushing, and at the end one
-whole push (launcher/host/publish.py: only what the target lacks, earlier runs' shards included) is tried; if it
+whole push (launcher/publish/push.py: only what the target lacks, earlier runs' shards included) is tried; if it
 fails too, the run ends with exit 3 and a last line naming the failure and how to finish the push.
 """
 
@@ -15,9 +15,9 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from launcher.host.publish import publish
-from launcher.host.push_targets import open_target
 from launcher.ledger.store import Store
+from launcher.publish.push import publish
+from launcher.publish.targets import open_target
 
 logger = logging.getLogger(__name__)
 
