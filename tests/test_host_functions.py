@@ -528,3 +528,244 @@ def test_settings_at_their_bounds_pass_and_a_testing_hold_file_needs_its_folder(
     assert str(e.value) == (
         f"testing.hold_batches_until={gone}: its folder does not exist; name a file in an existing folder"
     )
+
+
+def launch_cfg(dp=1, tp=2, nodes=1, mode="eager"):
+    return OmegaConf.create(
+        {
+            "mesh": {"dp": dp, "tp": tp, "nodes": nodes},
+            "execution": {"mode": mode, "compile_cache_dir": None},
+            "dataset": {"path": "/data/p.txt"},
+            "output": {"dir": "/data/out"},
+            "model": {"path": "/models/m"},
+        }
+    )
+
+
+def test_one_hosts_torchrun_command_starts_dp_times_tp_processes_with_one_thread_each(monkeypatch):
+    """DESIGN's Launch: `dp * tp` processes on this host with torchrun; one host's rendezvous is standalone; on CPU
+    each worker gets one thread unless OMP_NUM_THREADS is set; a dry run prints the environment, then the command."""
+    from launcher.host.launch import launch_plan
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    plan_ = launch_plan(launch_cfg(dp=3, tp=2), "tiny", ["generate.seed=3"], "cpu")
+    assert plan_.env == {"OMP_NUM_THREADS": "1"} and not plan_.tpu_launch_env and plan_.start == "forkserver"
+    assert plan_.torchrun_args == [
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=6",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "-m",
+        "launcher.worker.main",
+        "conf=tiny",
+        "generate.seed=3",
+    ]
+    assert plan_.describe(6, 1) == [
+        "export OMP_NUM_THREADS=1",
+        "# this host forks these workers from a server that has imported torch and diffusers once",
+        "torchrun --standalone --nnodes=1 --nproc-per-node=6 --max-restarts=0 --monitor-interval=0.1 "
+        "-m launcher.worker.main conf=tiny generate.seed=3",
+    ]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert launch_plan(launch_cfg(), "tiny", [], "cpu").env == {}  # the user's setting wins
+    assert launch_plan(launch_cfg(), "tiny", [], "cuda").start == "subprocess"
+
+
+def test_a_multi_host_command_names_each_hosts_rank_and_the_first_hosts_address(monkeypatch):
+    """Every host runs the same command: its share of the processes, NODE_RANK and MASTER_ADDR from the scheduler
+    (left as shell variables where it has not set them), MASTER_PORT 29500 unless set; TPU's launch env first."""
+    from launcher.host.launch import launch_plan
+
+    for var in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    plan_ = launch_plan(launch_cfg(dp=4, tp=4, nodes=2, mode="defer_and_fuse"), "flux2_tp", [], "tpu")
+    assert plan_.env == {"TORCH_TPU_DEFER_AND_FUSE": "1"}  # the execution mode's, never OMP_NUM_THREADS off CPU
+    assert plan_.torchrun_args[:5] == [
+        "--nnodes=2",
+        "--node-rank=$NODE_RANK",
+        "--master-addr=$MASTER_ADDR",
+        "--master-port=29500",
+        "--nproc-per-node=8",
+    ]
+    assert plan_.tpu_launch_env and plan_.start == "subprocess"
+    assert plan_.describe(8, 2)[-2:] == [
+        'eval "$(python -m torch.tpu.distributed)"  # TorchTPU launch env: set_tpu_launch_env(nnodes=2, '
+        "nproc_per_node=8)",
+        "torchrun --nnodes=2 '--node-rank=$NODE_RANK' '--master-addr=$MASTER_ADDR' --master-port=29500 "
+        "--nproc-per-node=8 --max-restarts=0 --monitor-interval=0.1 -m launcher.worker.main conf=flux2_tp",
+    ]
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29600")
+    assert launch_plan(launch_cfg(dp=4, tp=4, nodes=2), "x", [], "tpu").torchrun_args[1:4] == [
+        "--node-rank=1",
+        "--master-addr=10.0.0.2",
+        "--master-port=29600",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "taken", "left"),
+    [
+        (["--cfg", "job", "x=1"], True, ["x=1"]),
+        (["y=2", "--cfg=job"], True, ["y=2"]),
+        (["x=1"], False, ["x=1"]),
+    ],
+)
+def test_cfg_job_is_taken_from_the_arguments_in_either_spelling(argv, taken, left):
+    from launcher.host.launch import _take_cfg_flag
+
+    assert _take_cfg_flag(argv) is taken and argv == left
+
+
+@pytest.mark.parametrize(("argv", "what"), [(["--cfg", "hydra"], "hydra"), (["--cfg"], "(nothing)")])
+def test_cfg_of_anything_but_job_is_refused_naming_it(argv, what):
+    from launcher.host.launch import _take_cfg_flag
+
+    with pytest.raises(ConfigError) as e:
+        _take_cfg_flag(argv)
+    assert str(e.value) == f"--cfg {what}: only --cfg job is known here"
+
+
+def test_the_rerun_command_has_absolute_paths_and_drops_the_shard_choice_and_overwrite():
+    """A failed run's last line is the command that finishes it from any folder: launch.sh by its path, the paths
+    the run resolved, the other overrides as given, without run.shards and run.overwrite."""
+    from launcher.config import REPO_ROOT
+    from launcher.host.launch import rerun_command
+
+    overrides = ["dataset.path=p.txt", "+output.dir=out", "model.path=m", "run.shards=failed", "run.overwrite=true"]
+    assert rerun_command(launch_cfg(), "tiny", [*overrides, "generate.seed=3"]) == [
+        str(REPO_ROOT / "launch.sh"),
+        "conf=tiny",
+        "dataset.path=/data/p.txt",
+        "output.dir=/data/out",
+        "model.path=/models/m",
+        "generate.seed=3",
+    ]
+
+
+def test_the_tpu_launch_env_needs_torch_tpu_0_2(monkeypatch):
+    """Without torch.tpu.distributed: an install line, or an upgrade line where torch_tpu is older than 0.2.0."""
+    import sys
+    import types
+
+    import torch
+
+    from launcher.host.launch import set_tpu_launch_env
+
+    monkeypatch.delattr(torch, "tpu", raising=False)
+    monkeypatch.setitem(sys.modules, "torch_tpu", None)  # not installed
+    with pytest.raises(ConfigError, match=r"^cannot set up the TPU launch environment: .*\(0\.2\.0 or newer\)$"):
+        set_tpu_launch_env(1, 8)
+    old = "torch_tpu._internal.distributed.launchers"
+    for name in ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.distributed", old):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[old].singlehost_wrapper = object()  # ty: ignore[unresolved-attribute]
+    with pytest.raises(ConfigError, match=r"^torch_tpu is older than 0\.2\.0 .*pip install -e \"\.\[tpu\]\"$"):
+        set_tpu_launch_env(1, 8)
+
+
+def test_help_and_cfg_job_print_and_exit_0_and_a_bad_cfg_is_exit_2(launcher_main, capsys):
+    """DESIGN: `--help` lists the confs, groups and keys; `--cfg job` prints the composed config and exits 0."""
+    assert launcher_main(["--help"]) == 0
+    assert "conf=" in capsys.readouterr().out
+    assert launcher_main(["--cfg", "job", "conf=tiny", "generate.seed=7"]) == 0
+    job = OmegaConf.create(capsys.readouterr().out)
+    assert job.generate.seed == 7 and job.mesh.tp == 2
+    assert launcher_main(["--cfg", "all"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --cfg all: only --cfg job is known here"
+
+
+def test_the_dry_run_says_the_device_mesh_plan_held_and_rejected_rows_then_this_hosts_share(monkeypatch):
+    """DESIGN's Launch: a dry run prints how many shards and images the run would generate and, last before the
+    command, `# workers: index=I count=N`; a shard held by run.max_attempts and rows set aside by
+    dataset.bad_rows=skip are said there too (one example row named by file and line, or by position)."""
+    from types import SimpleNamespace as NS
+
+    from launcher.checks import cost
+    from launcher.host.launch import dry_run_lines
+
+    monkeypatch.setattr(cost, "cost_lines", lambda pf: ["# cost: (cost lines)"])
+    cfg = OmegaConf.create(
+        {
+            "device": "auto",
+            "mesh": {"nodes": 1},
+            "workers": {"index": 1, "count": 3},
+            "generate": {"images_per_prompt": 3, "sweep": None},
+        }
+    )
+    shards = [NS(status=s) for s in ("done", "failed", "pending", "stale", "failed", "done", "done")]
+    rejected = [{"file": "a.csv", "line": 7, "position": 5, "reason": "an empty prompt"}, {"file": None}]
+    plan = NS(selected=[1, 2, 3, 4], shards=shards, held=[4], rejected=rejected, prompts=lambda sel: 10 * len(sel))
+    mesh = NS(chip=NS(name="v6e"), line=lambda: "# mesh: dp=1 tp=2 (v6e, 32 GiB per chip)", why=["auto: tp=2 fits"])
+    pf = NS(cfg=cfg, plan=plan, device="cpu", mesh=mesh, notes=["# note: a note"])
+    assert dry_run_lines(pf) == [
+        "# device: cpu (device=auto), chip: v6e",
+        "# mesh: dp=1 tp=2 (v6e, 32 GiB per chip)",
+        "# mesh: auto: tp=2 fits",
+        "# note: a note",
+        "# plan: 4 of 7 shards to generate (40 prompts, 120 images); 3 done, 2 failed, 1 stale",
+        "# not retried: shards [4] failed run.max_attempts times with the same error; run.shards=failed retries them",
+        "# rejected: 2 rows set aside (dataset.bad_rows=skip), e.g. a.csv, line 7: an empty prompt",
+        "# cost: (cost lines)",
+        "# workers: index=1 count=3",
+    ]
+    plan.held, plan.rejected = [], [{"file": None, "line": None, "position": 12, "reason": "no prompt"}]
+    lines = dry_run_lines(pf)
+    assert not any(line.startswith("# not retried") for line in lines)
+    assert "# rejected: 1 rows set aside (dataset.bad_rows=skip), e.g. row 12: no prompt" in lines
+
+
+def test_a_run_that_selects_nothing_keeps_its_books_and_starts_no_worker(launcher_main, tiny_model, tmp_path, capsys):
+    """A launch in this process where `run.shards=failed` selects no shard of a new folder: DESIGN's layout still
+    gets run.json, the dataset card and the run's record (exit code 0: every selected shard is done), and nothing
+    else: no state (no shard ran, so no index of states), no plan, and the worker's lock released (empty: on a
+    local disk the file stays, and the lock is the flock on it)."""
+    out = tmp_path / "out"
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", "run.shards=failed", "generate.seed=5"]
+    assert launcher_main(args) == 0, capsys.readouterr().err[-2000:]
+    [record] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert record["exit_code"] == 0
+    assert json.loads((out / "run.json").read_text())["shards"] == 3  # conf tiny: 20 prompts, 8 a shard
+    assert (out / "README.md").read_text().startswith("---\n")  # the card's Hub front matter
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "README.md",
+        "locks/worker-00000.lock",
+        "run.json",
+        f"runs/{record['run_id']}.json",
+    ]
+    assert (out / "locks" / "worker-00000.lock").read_bytes() == b""
+    from launcher.config import REPO_ROOT
+
+    launch_sh = str(REPO_ROOT / "launch.sh")  # the command that finishes the run: run.shards is not part of it
+    assert record["command"] == [launch_sh, "conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", args[-1]]
+
+
+def test_overwrite_is_refused_while_another_worker_runs_and_else_discards_the_earlier_results(
+    launcher_main, tiny_model, tmp_path, capsys
+):
+    """run.overwrite discards earlier results (DESIGN: data, states, records, the card) but never the work of a
+    live run of another worker index: that is exit 4, naming the worker, its host and pid."""
+    from launcher.ledger.lock import RunLock
+    from launcher.ledger.store import Store
+
+    out = tmp_path / "out"
+    base = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", "run.shards=failed"]
+    share = ["workers.index=0", "workers.count=2"]
+    assert launcher_main([*base, *share]) == 0, capsys.readouterr().err[-2000:]
+    [record] = (out / "runs").glob("*.json")
+    first = record.rename(out / "runs" / "19990101T000000-elsewhere-1.json")  # the same process's ids may repeat
+    (out / "data").mkdir()
+    (out / "data" / "shard-00000.parquet").write_bytes(b"an earlier run's")
+    with RunLock(Store(str(out)), 1, "the-other-run") as other:
+        assert launcher_main([*base, *share, "run.overwrite=true"]) == 4
+        host, pid = other.record["host"], other.record["pid"]
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: run.overwrite would discard the work of live worker 1 (host {host}, pid {pid}); "
+            "wait for it or stop it first"
+        )
+    assert first.exists() and (out / "data" / "shard-00000.parquet").exists()  # refused: nothing changed
+    assert launcher_main([*base, *share, "run.overwrite=true"]) == 0
+    assert not first.exists() and not (out / "data").exists()
+    assert len(list((out / "runs").glob("*.json"))) == 1
