@@ -1,11 +1,14 @@
-"""Fast tests of the launcher's own host-side functions (launcher/host/), in this process, no launch: the bounds a
-job is held to at planning, and what the dataset card says. Expected values are worked out here from the words of
-DESIGN.md or of the module's own docstring, never from the product's functions. These are the host room's tests
-under `make mutants`."""
+"""Fast tests of the launcher's own functions (launcher/host/, checks/, publish/), in this process, no workers: the
+bounds a job is held to at planning, what the dataset card says, the torchrun command, the books of a run that
+starts no worker, the workers' log files and terminal. Expected values are worked out here from the words of
+DESIGN.md or of the module's own docstring, never from the product's functions. These are the host, checks and
+publish rooms' tests under `make mutants`."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -769,3 +772,65 @@ def test_overwrite_is_refused_while_another_worker_runs_and_else_discards_the_ea
     assert launcher_main([*base, *share, "run.overwrite=true"]) == 0
     assert not first.exists() and not (out / "data").exists()
     assert len(list((out / "runs").glob("*.json"))) == 1
+
+
+RANK_LINES = {
+    2: [
+        "[rank2] 12:00:00 INFO meshgen.shards: shard 0 done: 2 images in 0.1 s",
+        "[rank2] 12:00:00 INFO launcher.worker.runner: a routine line",
+        "[rank2] 12:00:01 WARNING launcher.worker.runner: our warning",
+        "[rank2] 12:00:01 WARNING diffusers.models: a library's warning",
+        "  a continuation line",
+    ],
+    0: ["[rank0] 12:00:00 INFO meshgen.stage: loading transformer", "[rank0] 12:00:02 ERROR jobs.edit: our error"],
+}
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_worker_logs_go_to_a_file_per_rank_and_the_terminal_gets_shard_events_warnings_and_stages(
+    verbose, tmp_path, capsys, monkeypatch
+):
+    """The terminal (launcher/host/terminal.py's words): by default one line per shard event and our workers'
+    warnings and errors, rank 0's stage lines on the bar (never printed), and with MESHGEN_VERBOSE=1 every line of
+    every rank, stdout's with its rank; the files, logs/<run id>/rank-N.log and rank-N.stdout.log, hold
+    everything."""
+    from launcher.host import terminal
+    from launcher.ledger.store import Store
+    from launcher.logs import RANK_LOGS_ENV
+
+    stages: list[str] = []
+    monkeypatch.setattr(terminal, "stage_listeners", [stages.append])
+    out = tmp_path / "out"
+    with terminal.WorkerLogs(Store(str(out)), "run-1", verbose=verbose) as logs:
+        assert os.environ[RANK_LOGS_ENV] == "1"
+        envs = {0: {"RANK": "2"}, 1: {"RANK": "0"}}
+        dest = logs.specs.reify(envs)
+        assert envs[0]["TORCHELASTIC_ERROR_FILE"] == str(out / "logs" / "run-1" / "rank-2.error.json")
+        for local, rank in ((0, 2), (1, 0)):
+            Path(dest.stderrs[local]).write_text("".join(f"{line}\n" for line in RANK_LINES[rank]))
+            Path(dest.stdouts[local]).write_text(f"printed by rank {rank}\n")
+        capsys.readouterr()
+    assert RANK_LOGS_ENV not in os.environ and logs.rank_log(3) == f"{out}/logs/run-1/rank-3.log"
+    shown = capsys.readouterr().err.splitlines()
+    if verbose:
+        expected = [*RANK_LINES[2], *RANK_LINES[0][1:], "[rank2] printed by rank 2", "[rank0] printed by rank 0"]
+    else:
+        expected = [RANK_LINES[2][0], RANK_LINES[2][2], RANK_LINES[0][1]]
+    assert sorted(shown) == sorted(expected)
+    assert stages == ["loading transformer"]
+    files = {p.name: p.read_text() for p in (out / "logs" / "run-1").iterdir()}
+    assert files["rank-2.log"].splitlines() == RANK_LINES[2] and files["rank-0.stdout.log"] == "printed by rank 0\n"
+
+
+def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3):
+    from launcher.host.terminal import WorkerLogs
+    from launcher.ledger.store import Store
+
+    s3_store = Store("s3://meshgen-test/run")
+
+    with WorkerLogs(s3_store, "run-2", verbose=False) as logs:
+        local = logs.folder
+        dest = logs.specs.reify({0: {"RANK": "1"}})
+        Path(dest.stderrs[0]).write_text("a line\n")
+    assert logs.rank_log(1) == f"{s3_store.url('logs/run-2')}/rank-1.log"
+    assert s3_store.read_bytes("logs/run-2/rank-1.log") == b"a line\n" and not local.exists()
