@@ -834,3 +834,62 @@ def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3):
         Path(dest.stderrs[0]).write_text("a line\n")
     assert logs.rank_log(1) == f"{s3_store.url('logs/run-2')}/rank-1.log"
     assert s3_store.read_bytes("logs/run-2/rank-1.log") == b"a line\n" and not local.exists()
+
+
+def until(check, timeout_s: float = 20.0) -> None:
+    """Wait for an event another thread makes happen, polling; fail past timeout_s."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the event never happened"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def quick_peers(monkeypatch):
+    """launcher/host/peers.py with a beat every 20 ms and a host lost after 1.5 s of silence; a free port."""
+    import socket
+
+    from launcher.host import peers
+
+    monkeypatch.setattr(peers, "HEARTBEAT_S", 0.02)
+    monkeypatch.setattr(peers, "LOST_AFTER_S", 1.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return peers, s.getsockname()[1]
+
+
+def test_hosts_watch_each_others_beat_and_one_that_falls_silent_is_lost(quick_peers):
+    """peers.py's words: each launcher increments `meshgen/peer/<node>/beat` in the first host's store; a host whose
+    counter stops changing for LOST_AFTER_S is lost; one that said `bye` first is not."""
+    peers, port = quick_peers
+    with peers.PeerWatch(0, 3, "127.0.0.1", port) as first:
+        second, third = peers.PeerWatch(1, 3, "127.0.0.1", port), peers.PeerWatch(2, 3, "127.0.0.1", port)
+        second.__enter__(), third.__enter__()
+        until(lambda: {1, 2} <= set(first._seen) and {0, 2} <= set(second._seen))
+        assert first._store.add(peers.key(1, "beat"), 0) > 0
+        third.__exit__(None, None, None)  # ends: says bye
+        until(lambda: 2 in first._said_bye and 2 in second._said_bye)
+        assert first._store.get(peers.key(2, "bye")) == b"1" and 2 not in first._seen
+        assert first.settle() is None and first.lost is None  # the others beat on, or said bye: a failure of ours
+        second._closing.set()  # the second host dies: no bye, its beat stops
+        until(lambda: first.lost is not None, timeout_s=5 * peers.LOST_AFTER_S)  # lost within LOST_AFTER_S
+        assert first.lost == "host 1 (node rank 1) stopped answering"
+        assert first.settle() == first.lost
+
+
+def test_a_host_loses_a_first_host_that_never_serves_or_stops_answering(quick_peers, monkeypatch):
+    peers, port = quick_peers
+    monkeypatch.setattr(peers, "CONNECT_FOR_S", 0.3)
+    with peers.PeerWatch(1, 2, "127.0.0.1", port) as alone:
+        until(lambda: alone.lost is not None)
+    assert alone.lost == f"the first host's store (127.0.0.1:{port}) never answered"
+    monkeypatch.setattr(peers, "CONNECT_FOR_S", 60.0)
+    first = peers.PeerWatch(0, 2, "127.0.0.1", port).__enter__()
+    with peers.PeerWatch(1, 2, "127.0.0.1", port) as second:
+        until(lambda: 0 in second._seen)
+        first._closing.set()
+        first._server = None  # the first host's launcher is gone, and its store with it
+        until(lambda: second.lost is not None)
+    assert second.lost.startswith(f"the first host (127.0.0.1:{port}) stopped answering (")
