@@ -893,3 +893,70 @@ def test_a_host_loses_a_first_host_that_never_serves_or_stops_answering(quick_pe
         first._server = None  # the first host's launcher is gone, and its store with it
         until(lambda: second.lost is not None)
     assert second.lost.startswith(f"the first host (127.0.0.1:{port}) stopped answering (")
+
+
+def agree_all(jobs: list[dict]) -> list[str | None]:
+    """Every host's agree() at once over one in-memory store: each host's error line, or None."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from launcher.host.agreement import agree
+
+    store, said = HashStore(), [None] * len(jobs)
+
+    def host(node: int) -> None:
+        try:
+            agree(store, node, len(jobs), jobs[node])
+        except ConfigError as e:
+            said[node] = str(e)
+
+    threads = [threading.Thread(target=host, args=(n,)) for n in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return said
+
+
+def test_hosts_with_the_same_job_agree_and_any_difference_is_the_same_line_on_every_host():
+    """agreement.py's words: each host's job compared with host 0's, every difference named (theirs != host 0's,
+    "(none)" where a key is missing, a value past 40 characters cut to 12 and "..."), at most 8 and "and N more"."""
+    job = {"generate.seed": 1, "model.weights.transformer": "sha256:" + "a" * 64, "mesh.tp": 2}
+    assert agree_all([job, dict(job), dict(job)]) == [None, None, None]
+    other = {**job, "generate.seed": 2, "model.weights.transformer": "sha256:" + "b" * 64, "extra": [1]}
+    del other["mesh.tp"]
+    line = (
+        "host 2's settings differ from host 0's: generate.seed 2 != 1, model.weights.transformer sha256:bbbbb... != "
+        "sha256:aaaaa..., mesh.tp (none) != 2, extra [1] != (none); start every host with the same job"
+    )
+    assert agree_all([job, dict(job), other]) == [line] * 3
+    many = {f"k{i}": i + 1 for i in range(10)}
+    [said, _] = agree_all([many, {k: -v for k, v in many.items()}])
+    assert said.endswith("k7 -8 != 8 and 2 more; start every host with the same job") and "k8" not in said
+
+
+def test_a_host_that_never_joins_is_one_line_naming_it(monkeypatch):
+    from torch.distributed import HashStore
+
+    from launcher.host import agreement
+
+    monkeypatch.setattr(agreement, "CONNECT_FOR_S", 0.3)
+    with pytest.raises(ConfigError) as e:
+        agreement.agree(HashStore(), 0, 3, {"generate.seed": 1})
+    assert str(e.value) == (
+        "hosts [1, 2] of this job (mesh.nodes=3) never joined within 0 s; start every host with the same job, "
+        "MASTER_ADDR and MASTER_PORT"
+    )
+
+
+def test_the_job_the_hosts_compare_is_the_fingerprint_the_mesh_and_versions_but_not_this_hosts_own_keys():
+    from launcher.config import load_config
+    from launcher.host.agreement import job_of
+
+    cfg = load_config("tiny", ["generate.seed=9", "output.metrics=/tmp/m.prom", "run.overwrite=true"])
+    job = job_of(cfg)
+    assert job["generate.seed"] == 9 and job["mesh.tp"] == 2 and job["mesh.dp"] == 1
+    assert {"versions.torch", "versions.diffusers", "config.output.dir", "config.dataset.path"} <= set(job)
+    assert not {"config.output.metrics", "config.output.publish", "config.run.overwrite"} & set(job)
+    assert job_of(load_config("tiny", ["generate.seed=9"])) == job  # this host's own keys change nothing
