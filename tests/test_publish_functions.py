@@ -225,3 +225,110 @@ def test_a_bucket_target_takes_each_file_as_an_object_and_a_missing_bucket_is_on
     assert publish(str(run), target, card=False)["files"] == 0
     with pytest.raises(ConfigError, match=r"^cannot publish to s3://no-such-bucket/x: bucket no-such-bucket does not "):
         publish(str(run), "s3://no-such-bucket/x", card=False)
+
+
+@pytest.fixture
+def hub_here(hub, monkeypatch):
+    """The fake Hub (tests/fake_hub.py) for huggingface_hub in this process: its endpoint, a write token, no Xet
+    (the fake speaks LFS), a 2 s wait; constants read at import are set where huggingface_hub reads them."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 2)
+    monkeypatch.setenv("HF_TOKEN", "wtok")
+    return hub
+
+
+def test_a_hub_push_is_one_commit_of_lfs_files_a_batch_and_a_second_push_sends_nothing(run, hub_here, monkeypatch):
+    """targets.py's words: each batch is one commit, its LFS files pre-uploaded first; a file on the Hub is the same
+    by its LFS sha256 (a git file by its blob id), so a second push sends nothing; a regenerated shard's old files
+    go in its commit."""
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish import push
+
+    repo = hub_here.repos[f"datasets/{REPO_ID}"]
+    monkeypatch.setattr(push, "COMMIT_FILES", 2)  # shard 0's two files, then shard 1's one: two commits
+    assert push.publish(str(run), TARGET, card=False) == {"shards": 2, "files": 3, "bytes": 16, "card": False}
+    assert repo.files == {
+        "data/shard-00000.parquet": b"P0",
+        "images/shard-00000/a.png": b"img-a",
+        "data/shard-00001.parquet": b"P1-longer",
+    }
+    assert [sorted(op["value"]["path"] for op in c["ops"]) for c in repo.commits] == [
+        ["data/shard-00000.parquet", "images/shard-00000/a.png"],
+        ["data/shard-00001.parquet"],
+    ]
+    assert all(op["key"] == "lfsFile" for c in repo.commits for op in c["ops"])
+    assert len(hub_here.requested("PUT")) == 3  # each file's bytes uploaded once, before its commit
+    assert push.publish(str(run), TARGET, card=False)["files"] == 0 and len(repo.commits) == 2
+    (run / "images" / "shard-00000" / "a.png").unlink()
+    shard(run, 0, {"data/shard-00000.parquet": b"P0-new"})
+    assert push.publish(str(run), TARGET, only=[0], card=False)["files"] == 1
+    assert sorted(repo.files) == ["data/shard-00000.parquet", "data/shard-00001.parquet"]
+    assert repo.files["data/shard-00000.parquet"] == b"P0-new"
+
+
+def test_a_hub_commit_answered_429_is_sent_again_when_its_limit_resets(run, hub_here, monkeypatch, caplog):
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish import targets
+    from launcher.publish.push import publish
+
+    waits = []
+    monkeypatch.setattr(targets.time, "sleep", waits.append)
+    hub_here.fail_commits = 2
+    with caplog.at_level(logging.WARNING):
+        assert publish(str(run), TARGET, card=False)["files"] == 3
+    assert hub_here.fail_commits == 0 and len(hub_here.repos[f"datasets/{REPO_ID}"].commits) == 1
+    assert len(waits) == 2 and f"{TARGET}: commit answered 429; sending it again in" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("target", "token", "line"),
+    [
+        ("hf://datasets/org/ds", "", "publishing to org/ds on {url} needs a token: log in (hf auth login) or set "),
+        ("hf://datasets/org/ds", "rtok", "publishing to org/ds on {url}: the token is read-only; use a token that "),
+        ("hf://datasets/org/ds@v2", "wtok", "org/ds on {url} has no revision v2: create the branch or drop @v2"),
+        ("hf://datasets/org/missing", "wtok", "org/missing on {url} is not a dataset repo (or a private one this "),
+        ("hf://datasets/org/ds", "wrong", "org/ds on {url} refused the token (401: "),
+        ("hf://org/ds", "wtok", "cannot publish to hf://org/ds: a Hub target is hf://datasets/ORG/NAME (or ..."),
+    ],
+)
+def test_a_hub_target_that_cannot_take_the_push_is_one_line_before_anything_is_sent(
+    run, hub_here, monkeypatch, target, token, line
+):
+    from huggingface_hub import constants
+
+    from launcher.publish.push import publish
+
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(run / "no-saved-token"))
+    with pytest.raises(ConfigError) as e:
+        publish(str(run), target, card=False)
+    assert str(e.value).startswith(line.format(url=hub_here.url))
+    assert hub_here.requested("POST") == [] and hub_here.requested("PUT") == []
+
+
+@pytest.mark.parametrize(
+    ("run_json", "why"),
+    [
+        (b"{}", "no shard count, config and settings"),
+        (b'{"shards": "3", "config": {}, "settings": {}}', "no shard count, config and settings"),
+        (b"\xff not json", "not JSON: "),
+    ],
+)
+def test_a_card_of_a_run_json_meshgen_did_not_write_is_one_line(run, tmp_path, capsys, run_json, why):
+    """A run.json that is not meshgen's (a project's own file, a damaged one) is one line naming it, exit 2, from
+    the card and the publish tool alike: never a traceback, never "the push stopped"."""
+    from launcher.publish import card, push
+
+    (run / "run.json").write_bytes(run_json)
+    line = f"error: {run}/run.json is not one meshgen wrote ({why}"
+    assert card.main([str(run)]) == 2
+    assert capsys.readouterr().err.startswith(line)
+    assert push.main([str(run), str(tmp_path / "site")]) == 2
+    [said] = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(line) and said.endswith("); give a meshgen run's output.dir")
+    assert not (tmp_path / "site").exists()  # refused before anything was sent

@@ -51,12 +51,25 @@ _PENDING = {
 }
 
 
+def run_meta(run: Store) -> dict:
+    """run.json as meshgen wrote it: FileNotFoundError where there is none, one line (ConfigError) for another."""
+    try:
+        meta: dict | str | None = run.read_json("run.json")
+    except ValueError as e:  # not JSON, or not UTF-8
+        meta = f"not JSON: {str(e).splitlines()[0][:80]}"
+    if meta is None:
+        raise FileNotFoundError(f"{run.uri} has no run.json; is it a meshgen output folder?")
+    shaped = isinstance(meta, dict) and isinstance(meta.get("shards"), int)
+    if not (shaped and isinstance(meta.get("config"), dict) and isinstance(meta.get("settings"), dict)):
+        why = meta if isinstance(meta, str) else "no shard count, config and settings"
+        raise ConfigError(f"{run.uri}/run.json is not one meshgen wrote ({why}); give a meshgen run's output.dir")
+    return meta  # ty: ignore[invalid-return-type]
+
+
 def summarize(run: Store, states: dict[int, dict] | None = None) -> dict:
     """The run's config, per-shard outcomes and totals, from run.json and the state files (or the states given:
     the launcher passes what its ledger already holds)."""
-    meta = run.read_json("run.json")
-    if meta is None:
-        raise FileNotFoundError(f"{run.uri} has no run.json; is it a meshgen output folder?")
+    meta = run_meta(run)
     mtimes = {i.base_name: i.mtime.timestamp() for i in run.files(STATE_DIR, ".json") if i.mtime}
     listed = {int(n[6:-5]) for n in mtimes if n.startswith("shard-") and n[6:-5].isdigit()}
     states = read_states(run) if states is None else states

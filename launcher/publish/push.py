@@ -56,8 +56,7 @@ def dataset_shards(run: Store, images: bool | None = None, only: Iterable[int] |
     """The done shards' dataset files with their recorded sizes and sha256, damaged shards left out (with a warning)."""
     from launcher.ledger.verify import listed_damage, say_damage
 
-    meta = run.read_json("run.json")
-    if meta is None:
+    if not run.exists("run.json"):
         raise ConfigError(f"{run} has no run.json: is it a meshgen output folder? (give the run's output.dir)")
     wanted = None if only is None else set(only)
     states = {
@@ -129,6 +128,10 @@ def publish(
     if not run.exists("run.json"):
         raise ConfigError(f"{run} has no run.json: is it a meshgen output folder? (give the run's output.dir)")
     target = target or open_target(target_uri, run)  # probes it: a refusal is one line before anything is sent
+    if card:  # the card's source too: a run.json that meshgen did not write is one line before anything is sent
+        from launcher.publish.card import run_meta
+
+        run_meta(run)
     shards = dataset_shards(run, images, only)
     batches = plan_batches(shards, target)
     sent = {"shards": 0, "files": 0, "bytes": 0, "card": False}
