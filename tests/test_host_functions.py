@@ -342,7 +342,8 @@ def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states
     from launcher.publish.card import summarize
 
     (tmp_path / "state").mkdir()
-    (tmp_path / "run.json").write_text(json.dumps({"shards": 5, "note": "kept whole"}))
+    run_json = {"shards": 5, "config": {}, "settings": {}, "note": "kept whole"}  # DESIGN: config, shard count
+    (tmp_path / "run.json").write_text(json.dumps(run_json))
     parquet = "data/shard-00000.parquet"
     states = {
         0: {"status": "done", "rows": 4, "seconds": 2.0, "images_per_s": 2.0, "finished_at": 1000.0, "run_id": "r1"}
@@ -357,7 +358,7 @@ def test_a_folders_summary_is_each_shards_outcome_and_the_totals_from_its_states
     os.utime(tmp_path / "state" / "shard-00002.json", (995.0, 995.0))
     os.utime(tmp_path / "state" / "shard-00001.json", (998.0, 998.0))
     s = summarize(Store(tmp_path))
-    assert s["meta"] == {"shards": 5, "note": "kept whole"}
+    assert s["meta"] == run_json
     first, failed, old, pending, last = s["shards"]
     assert first == {
         "index": 0,
@@ -619,6 +620,7 @@ def test_a_multi_host_command_names_each_hosts_rank_and_the_first_hosts_address(
 def test_cfg_job_is_taken_from_the_arguments_in_either_spelling(argv, taken, left):
     from launcher.host.launch import _take_cfg_flag
 
+    argv = list(argv)  # the parameter's own list is the same object at each run of the test
     assert _take_cfg_flag(argv) is taken and argv == left
 
 
