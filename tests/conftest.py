@@ -615,3 +615,13 @@ def publish(out, target: str, *args: str, env: dict | None = None) -> subprocess
     """`python -m tools.publish OUT TARGET ARGS` as a user runs it."""
     cmd = [sys.executable, "-m", "tools.publish", str(out), target, *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def until(check, timeout_s: float = 20.0) -> None:
+    """Wait for an event another thread makes happen, polling; fail past timeout_s."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the event never happened"
+        time.sleep(0.02)

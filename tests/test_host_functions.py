@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import until
 from omegaconf import OmegaConf
 
 from launcher.errors import ConfigError
@@ -836,16 +837,6 @@ def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3):
         Path(dest.stderrs[0]).write_text("a line\n")
     assert logs.rank_log(1) == f"{s3_store.url('logs/run-2')}/rank-1.log"
     assert s3_store.read_bytes("logs/run-2/rank-1.log") == b"a line\n" and not local.exists()
-
-
-def until(check, timeout_s: float = 20.0) -> None:
-    """Wait for an event another thread makes happen, polling; fail past timeout_s."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "the event never happened"
-        time.sleep(0.02)
 
 
 @pytest.fixture

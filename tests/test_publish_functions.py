@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import until
 
 from launcher.errors import ConfigError
 
@@ -48,6 +49,18 @@ def parquet_bytes(ids: list[str]) -> bytes:
     buf = io.BytesIO()
     pq.write_table(pa.table({"id": ids}), buf)
     return buf.getvalue()
+
+
+def as_written(run: Path) -> tuple[bytes, bytes]:
+    """The run folder's run.json and shards 0 and 1 as a run writes them (the card reads both); their Parquet bytes."""
+    config = {"name": "job", "device": "cpu", "model": {"path": "org/model", "dtype": "bfloat16"}, "job": "t2i"}
+    config |= {"dataset": {"path": "/d/p.txt"}, "mesh": {"dp": 1, "tp": 2}, "generate": {"batch_size": 2}}
+    meta = {"shards": 3, "shard_size": 2, "config": config, "settings": {"model": {}, "generate": {}}}
+    (run / "run.json").write_text(json.dumps(meta))
+    p0, p1 = parquet_bytes(["a", "b"]), parquet_bytes(["c"])
+    shard(run, 0, {"data/shard-00000.parquet": p0, "images/shard-00000/a.png": b"img-a"})
+    shard(run, 1, {"data/shard-00001.parquet": p1})
+    return p0, p1
 
 
 def sent_files(site: Path) -> dict[str, bytes]:
@@ -163,14 +176,7 @@ def test_the_publish_command_says_what_it_sent_and_exits_0_2_or_3(run, tmp_path,
     2 and one line for a refusal before anything is sent; 3 and one line when the push stops part way."""
     from launcher.publish import push as publish
 
-    # a run.json and Parquet files as a run writes them: the card reads both
-    config = {"name": "job", "device": "cpu", "model": {"path": "org/model", "dtype": "bfloat16"}, "job": "t2i"}
-    config |= {"dataset": {"path": "/d/p.txt"}, "mesh": {"dp": 1, "tp": 2}, "generate": {"batch_size": 2}}
-    meta = {"shards": 3, "shard_size": 2, "config": config, "settings": {"model": {}, "generate": {}}}
-    (run / "run.json").write_text(json.dumps(meta))
-    p0, p1 = parquet_bytes(["a", "b"]), parquet_bytes(["c"])
-    shard(run, 0, {"data/shard-00000.parquet": p0, "images/shard-00000/a.png": b"img-a"})
-    shard(run, 1, {"data/shard-00001.parquet": p1})
+    p0, p1 = as_written(run)
     site = tmp_path / "site"
     assert publish.main([str(run), str(site), "--no-images"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -332,3 +338,49 @@ def test_a_card_of_a_run_json_meshgen_did_not_write_is_one_line(run, tmp_path, c
     [said] = capsys.readouterr().err.strip().splitlines()
     assert said.startswith(line) and said.endswith("); give a meshgen run's output.dir")
     assert not (tmp_path / "site").exists()  # refused before anything was sent
+
+
+def test_a_run_pushes_its_shards_as_they_are_done_and_the_rest_and_the_card_at_the_end(run, tmp_path, caplog):
+    """publish/run.py's words (output.publish): each shard offered is pushed once, in the background; a failed push
+    stops the pushing and is tried again whole at the end, and if that fails too, the run's last line names it
+    and how to finish it."""
+    from omegaconf import OmegaConf
+
+    from launcher.ledger.store import Store
+    from launcher.publish.run import start_publisher
+
+    assert start_publisher(OmegaConf.create({"output": {"publish": None}}), Store(str(run))) is None
+    as_written(run)
+    site = tmp_path / "site"
+    pub = start_publisher(OmegaConf.create({"output": {"publish": str(site)}}), Store(str(run)))
+    pub.offer([0])
+    until(lambda: pub.sent == {0})
+    assert (site / "data" / "shard-00000.parquet").exists() and not (site / "data" / "shard-00001.parquet").exists()
+    pub.offer([0, 1])
+    until(lambda: pub.sent == {0, 1})
+    assert pub.finish() is None and (site / "README.md").exists()
+
+    broken = tmp_path / "broken"
+    pub = start_publisher(OmegaConf.create({"output": {"publish": str(broken)}}), Store(str(run)))
+    broken.mkdir(exist_ok=True)
+    (broken / "data").write_bytes(b"a file where the target's data folder goes")
+    with caplog.at_level(logging.WARNING):
+        pub.offer([1])
+        until(lambda: pub.error is not None)
+    assert f"the push of shards [1] to {broken} failed" in caplog.text
+    pub.offer([0])  # after a failure nothing more is pushed during the run
+    last = pub.finish()  # the whole push at the end fails too
+    assert pub.sent == set() and last.startswith(f"the push to output.publish={broken} failed (")
+    assert last.endswith(
+        f"the generated shards are kept: run the same command, or python -m tools.publish {run} {broken}, to finish it"
+    )
+    mended = tmp_path / "mended"
+    pub = start_publisher(OmegaConf.create({"output": {"publish": str(mended)}}), Store(str(run)))
+    mended.mkdir(exist_ok=True)
+    (mended / "data").write_bytes(b"in the way")
+    pub.offer([1])
+    until(lambda: pub.error is not None)
+    (mended / "data").unlink()  # the target takes files again: the offer after the failure still waits for the end
+    pub.offer([0])
+    assert pub.finish() is None and pub.sent == set()
+    assert (mended / "data" / "shard-00000.parquet").exists() and (mended / "data" / "shard-00001.parquet").exists()

@@ -601,3 +601,52 @@ def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_mod
     for name in ("transformer", "vae", "text_encoder"):
         ours, theirs = getattr(pipe, name).state_dict(), getattr(bare, name).state_dict()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done(tiny_model, tmp_path, monkeypatch):
+    """A world of one rank (gloo, this process), as torchrun would start it: run_worker reads the plan the launcher
+    wrote, claims each shard, loads the pipeline, writes each shard's Parquet and marks it done. DESIGN: one row per
+    sample, ids the row number and `<prompt id>-<k>` for N images a prompt, each seed the first 8 bytes of
+    sha256("<generate.seed>:<sample id>") little-endian masked to 63 bits, images of the size asked."""
+    import gc
+    import hashlib
+    import io
+    import socket
+
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+    from PIL import Image
+
+    from launcher.checks.preflight import preflight
+    from launcher.config import load_config
+    from launcher.plan.plan import plan_rel, write_plan_file
+    from launcher.worker.runner import run_worker
+
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("a red fox\na blue cat\na green owl\n")
+    job = ["mesh.tp=1", "run.shard_size=2", "generate.images_per_prompt=2", "generate.seed=11", "generate.width=48"]
+    job += ["generate.height=32", "generate.num_inference_steps=1", "generate.batch_size=3"]
+    cfg = load_config("tiny", [f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}", *job])
+    pf = preflight(cfg)
+    write_plan_file(pf.store, plan_rel("run-1"), cfg, pf.plan, pf.sizes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in {**env, "LOCAL_WORLD_SIZE": "1", "MESHGEN_RUN_ID": "run-1"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        assert run_worker(cfg) == 0
+    finally:
+        gc.unfreeze()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    states = {p.name: json.loads(p.read_text()) for p in (out / "state").glob("shard-*.json")}
+    assert sorted(states) == ["shard-00000.json", "shard-00001.json"]
+    assert [s["status"] for s in states.values()] == ["done", "done"] and not list((out / "claims").rglob("*.json"))
+    rows = [r for i in (0, 1) for r in pq.read_table(out / "data" / f"shard-{i:05d}.parquet").to_pylist()]
+    ids = ["0-0", "0-1", "1-0", "1-1", "2-0", "2-1"]
+    assert [r["id"] for r in rows] == ids and [r["prompt_id"] for r in rows] == ["0", "0", "1", "1", "2", "2"]
+    seeds = [int.from_bytes(hashlib.sha256(f"11:{i}".encode()).digest()[:8], "little") & (2**63 - 1) for i in ids]
+    assert [r["seed"] for r in rows] == seeds
+    assert all(Image.open(io.BytesIO(r["image"]["bytes"])).size == (48, 32) == (r["width"], r["height"]) for r in rows)
