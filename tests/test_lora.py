@@ -157,32 +157,6 @@ def test_loras_fused_at_tp1_equal_diffusers_and_tp2_within_2_levels(family, lora
         assert max_diff(out1, out2) <= 2
 
 
-def test_fused_weights_are_bitwise_diffusers_in_bfloat16(loras, monkeypatch):
-    """The delta arithmetic is PEFT's (float32 on CPU for half types): every weight equals diffusers' fuse, also
-    when the delta is computed a few rows at a time (as it is for real-size layers)."""
-    import torch
-    from diffusers import DiffusionPipeline
-
-    from launcher.worker import lora_fuse
-    from launcher.worker.lora import factors
-    from launcher.worker.lora_fuse import fuse
-
-    monkeypatch.setattr(lora_fuse, "CHUNK_BYTES", 3 * 32 * 4)  # 3 rows of a 32-wide layer per step
-
-    model, files = loras("flux2")
-    ref = diffusers_fused(model, files, dtype=torch.bfloat16)
-    ours = DiffusionPipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
-    base = {k: v.clone() for k, v in ours.transformer.state_dict().items()}
-    fuse(ours, [(factors("Flux2Pipeline", f, str(model)), s) for f, s in zip(files, SCALES, strict=True)])
-    for part in ("transformer", "text_encoder"):
-        a, b = getattr(ours, part).state_dict(), getattr(ref, part).state_dict()
-        assert a.keys() == b.keys()
-        for k in a:
-            assert torch.equal(a[k], b[k]), f"{part}.{k}"
-    changed = [k for k, v in ours.transformer.state_dict().items() if not torch.equal(v, base[k])]
-    assert len(changed) == len(FLUX2["transformer"])
-
-
 def test_another_scale_on_a_done_folder_exits_2(lora_job, loras, launcher_main, capsys):
     out, args = lora_job("flux2", "mesh.dp=2", "mesh.tp=1")
     _, files = loras("flux2")

@@ -10,10 +10,13 @@ import types
 
 import numpy as np
 import pytest
+import test_lora
 import test_quality
 import torch
+from test_lora import FAMILY, SCALES, diffusers_fused
 
 quality_models = test_quality.quality_models  # the tiny CLIP and safety checker, built once
+loras = test_lora.loras  # two tiny LoRAs of a family's tiny pipeline, built once
 
 
 class Clock:
@@ -295,8 +298,8 @@ def test_fuse_adds_each_lora_in_turn_and_counts_the_layers_it_changed():
     pipe = types.SimpleNamespace(transformer=transformer)
     one = Factor(torch.ones(1, 3), torch.ones(4, 1), scaling=1.0)
     two = Factor(torch.ones(1, 4), torch.ones(2, 1), scaling=2.0)
-    loras = [({"transformer": {"0": one, "1": two}}, 0.5), ({"transformer": {"0": one}}, -1.5)]
-    assert lora_fuse.fuse(pipe, loras) == 3
+    fused = [({"transformer": {"0": one, "1": two}}, 0.5), ({"transformer": {"0": one}}, -1.5)]
+    assert lora_fuse.fuse(pipe, fused) == 3
     assert torch.allclose(transformer[0].weight, before[0] + 0.5 - 1.5)
     assert torch.allclose(transformer[1].weight, before[1] + 2.0 * 0.5)
     assert lora_fuse._packed_slices(transformer) == {} and lora_fuse._tp_degree(transformer) == 1
@@ -650,3 +653,32 @@ def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done
     seeds = [int.from_bytes(hashlib.sha256(f"11:{i}".encode()).digest()[:8], "little") & (2**63 - 1) for i in ids]
     assert [r["seed"] for r in rows] == seeds
     assert all(Image.open(io.BytesIO(r["image"]["bytes"])).size == (48, 32) == (r["width"], r["height"]) for r in rows)
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux1"])
+def test_fused_weights_are_bitwise_diffusers_in_bfloat16(family, loras, monkeypatch):
+    """The delta arithmetic is PEFT's (float32 on CPU for half types): every weight equals diffusers' fuse, also
+    when the delta is computed a few rows at a time (as it is for real-size layers), with and without alpha keys
+    (FLUX.1's LoRA has them). The LoRAs and diffusers' own fuse are tests/test_lora.py's."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from launcher.worker import lora_fuse
+    from launcher.worker.lora import factors
+    from launcher.worker.lora_fuse import fuse
+
+    monkeypatch.setattr(lora_fuse, "CHUNK_BYTES", 3 * 32 * 4)  # 3 rows of a 32-wide layer per step
+
+    model, files = loras(family)
+    ref = diffusers_fused(model, files, dtype=torch.bfloat16)
+    ours = DiffusionPipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
+    base = {k: v.clone() for k, v in ours.transformer.state_dict().items()}
+    pipeline_class = type(ours).__name__
+    fuse(ours, [(factors(pipeline_class, f, str(model)), s) for f, s in zip(files, SCALES, strict=True)])
+    for part in ("transformer", "text_encoder"):
+        a, b = getattr(ours, part).state_dict(), getattr(ref, part).state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{part}.{k}"
+    changed = [k for k, v in ours.transformer.state_dict().items() if not torch.equal(v, base[k])]
+    assert len(changed) == len(FAMILY[family][2]["transformer"])
