@@ -606,11 +606,15 @@ def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_mod
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
 
-def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True])
+def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done(
+    staged, tiny_model, tmp_path, monkeypatch
+):
     """A world of one rank (gloo, this process), as torchrun would start it: run_worker reads the plan the launcher
     wrote, claims each shard, loads the pipeline, writes each shard's Parquet and marks it done. DESIGN: one row per
     sample, ids the row number and `<prompt id>-<k>` for N images a prompt, each seed the first 8 bytes of
-    sha256("<generate.seed>:<sample id>") little-endian masked to 63 bits, images of the size asked."""
+    sha256("<generate.seed>:<sample id>") little-endian masked to 63 bits, images of the size asked; the same with
+    execution.staged (a shard's prompts encoded before it is denoised)."""
     import gc
     import hashlib
     import io
@@ -623,13 +627,19 @@ def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done
     from launcher.checks.preflight import preflight
     from launcher.config import load_config
     from launcher.plan.plan import plan_rel, write_plan_file
-    from launcher.worker.runner import run_worker
+    from launcher.worker.main import run
 
     prompts, out = tmp_path / "p.txt", tmp_path / "out"
     prompts.write_text("a red fox\na blue cat\na green owl\n")
     job = ["mesh.tp=1", "run.shard_size=2", "generate.images_per_prompt=2", "generate.seed=11", "generate.width=48"]
-    job += ["generate.height=32", "generate.num_inference_steps=1", "generate.batch_size=3"]
-    cfg = load_config("tiny", [f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}", *job])
+    job += [
+        "generate.height=32",
+        "generate.num_inference_steps=1",
+        "generate.batch_size=3",
+        f"execution.staged={staged}",
+    ]
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}", *job]
+    cfg = load_config("tiny", args[1:])
     pf = preflight(cfg)
     write_plan_file(pf.store, plan_rel("run-1"), cfg, pf.plan, pf.sizes)
     with socket.socket() as s:
@@ -639,7 +649,7 @@ def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done
     for k, v in {**env, "LOCAL_WORLD_SIZE": "1", "MESHGEN_RUN_ID": "run-1"}.items():
         monkeypatch.setenv(k, v)
     try:
-        assert run_worker(cfg) == 0
+        assert run(args) == 0  # the worker's entry, as torchrun's `-m launcher.worker.main conf=tiny ...` runs it
     finally:
         gc.unfreeze()
         if dist.is_initialized():
