@@ -953,3 +953,25 @@ def test_the_job_the_hosts_compare_is_the_fingerprint_the_mesh_and_versions_but_
     assert {"versions.torch", "versions.diffusers", "config.output.dir", "config.dataset.path"} <= set(job)
     assert not {"config.output.metrics", "config.output.publish", "config.run.overwrite"} & set(job)
     assert job_of(load_config("tiny", ["generate.seed=9"])) == job  # this host's own keys change nothing
+
+
+def test_stale_shards_kept_by_run_stale_keep_are_recorded_so_the_same_command_without_it_finds_them_done(
+    launcher_main, tiny_model, tmp_path, capsys
+):
+    """DESIGN: `run.stale=keep` is recorded for the samples it kept: the same command without it then exits 0. A
+    done shard whose prompts changed (its state's prompts_fingerprint is another's) is stale; with nothing selected
+    (`run.shards=failed`) no worker starts."""
+    out = tmp_path / "out"
+    base = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", "run.shards=failed"]
+    assert launcher_main(base) == 0, capsys.readouterr().err[-2000:]
+    (out / "state").mkdir()
+    done = {"status": "done", "rows": 8, "prompts_fingerprint": "of-other-prompts", "files": {}}
+    (out / "state" / "shard-00001.json").write_text(json.dumps(done))
+    assert launcher_main(base) == 2  # run.stale=error, the default: refused
+    assert "shard" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert launcher_main([*base, "run.stale=keep"]) == 0
+    said = capsys.readouterr().err
+    assert "WARNING launcher.host.launch: keeping shards [1] as they are although their prompts changed" in said
+    kept = json.loads((out / "state" / "shard-00001.json").read_text())
+    assert kept["prompts_fingerprint"] == "of-other-prompts" and len(kept) == len(done) + 1  # the kept mark added
+    assert launcher_main(base) == 0, capsys.readouterr().err[-2000:]
