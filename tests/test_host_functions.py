@@ -975,3 +975,27 @@ def test_stale_shards_kept_by_run_stale_keep_are_recorded_so_the_same_command_wi
     kept = json.loads((out / "state" / "shard-00001.json").read_text())
     assert kept["prompts_fingerprint"] == "of-other-prompts" and len(kept) == len(done) + 1  # the kept mark added
     assert launcher_main(base) == 0, capsys.readouterr().err[-2000:]
+
+
+def test_a_shard_that_failed_max_attempts_times_is_held_and_the_last_line_says_how_to_retry_it(
+    launcher_main, tiny_model, tmp_path, capsys
+):
+    """DESIGN: a shard that failed run.max_attempts times with the same error (default 3) is not retried by the same
+    command; `run.shards=failed` retries it. One shard of 3 prompts, failed 3 times: the run starts no worker,
+    ends 3 (a selected shard is not done) and names the shard, its error and the command that retries it."""
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("a\nb\nc\n")
+    base = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
+    assert launcher_main([*base, "run.shards=failed"]) == 0, capsys.readouterr().err[-2000:]
+    (out / "state").mkdir()
+    failed = {"status": "failed", "attempts": 3, "error_class": "ValueError", "error": "boom " * 50}
+    (out / "state" / "shard-00000.json").write_text(json.dumps(failed | {"samples": ["0", "1", "2", "3", "4", "5"]}))
+    assert launcher_main(base) == 3
+    from launcher.config import REPO_ROOT
+
+    rerun = f"{REPO_ROOT / 'launch.sh'} conf=tiny model.path={tiny_model} output.dir={out} dataset.path={prompts}"
+    assert (
+        "not retried: shards [0] failed 3 times in a row with the same error (shard 0: ValueError at samples '0', "
+        f"'1', '2', '3', '4': {('boom ' * 50)[:200]}); a rerun fails them again: fix the row(s), then run {rerun} "
+        "run.shards=failed"
+    ) in capsys.readouterr().err
