@@ -49,7 +49,7 @@ class ModelConfig:
 @dataclass
 class MeshConfig:
     # A whole number or "auto" (tp: the smallest that fits the chip; dp: fill the host's chips). The launcher
-    # resolves auto once (launcher/checks/mesh_plan.py) and hands the workers numbers.
+    # resolves auto once (launcher/sizing/mesh_plan.py) and hands the workers numbers.
     dp: Any = 1
     tp: Any = 1
     nodes: int = 1

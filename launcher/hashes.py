@@ -2,7 +2,7 @@
 a FLUX.2-dev pipeline is ~64 GB that a rerun must not read again.
 
 A file's hash is kept in one small JSON file (`$MESHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/meshgen`, else
-`~/.cache/meshgen`, beside the parameter counts of launcher/checks/memory.py), under its resolved path, with the
+`~/.cache/meshgen`, beside the parameter counts of launcher/sizing/memory.py), under its resolved path, with the
 stamps that any change of its bytes changes: size, mtime_ns, inode and ctime_ns. ctime as well as the brief's
 three: a copy that keeps the source's times (`cp -p`, `rsync -a` in place) of a same-sized retrained checkpoint
 changes no size and may set any mtime, but the kernel sets ctime on every write and nobody can set it back. At

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from launcher.checks.mesh_plan import detect_chip
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.sizing.mesh_plan import detect_chip
 
 
 def _cfg(*overrides: str):

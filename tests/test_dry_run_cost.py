@@ -114,7 +114,7 @@ def test_tiny_job_on_cpu_has_a_measured_time_and_room(launcher_main, capsys, tmp
 
 
 def test_download_line_says_cached_gated_open_or_unknown(monkeypatch, tmp_path, no_token):
-    from launcher.checks import cost, model_files
+    from launcher.sizing import cost, model_files
 
     # A hub snapshot: two names linked to one 3000-byte blob count once.
     blob = tmp_path / "blobs" / "abc"

@@ -28,13 +28,13 @@ def work_cfg(shard_size=100, **generate):
 @pytest.fixture
 def one_mib_an_image(monkeypatch):
     """Each image of the configured size estimated at exactly 1 MiB of files, so a shard's bytes are its images."""
-    import launcher.checks.space
+    import launcher.sizing.space
 
-    monkeypatch.setattr(launcher.checks.space, "estimate_bytes", lambda cfg, images: images * MIB)
+    monkeypatch.setattr(launcher.sizing.space, "estimate_bytes", lambda cfg, images: images * MIB)
 
 
 def test_a_shard_is_bounded_at_20_gib_of_files_and_the_fix_names_the_largest_shard_size(one_mib_an_image):
-    from launcher.checks.work_bounds import check_work
+    from launcher.sizing.work_bounds import check_work
 
     roomy = 10**15  # the host's memory: only the shard bound is under test
     # 2 images a prompt: 10,240 prompts are 20,480 images, 20 GiB exactly, which is within the bound
@@ -49,7 +49,7 @@ def test_a_shard_is_bounded_at_20_gib_of_files_and_the_fix_names_the_largest_sha
 
 
 def test_a_sweep_to_a_larger_size_counts_its_variants_and_its_largest_images(one_mib_an_image):
-    from launcher.checks.work_bounds import check_work
+    from launcher.sizing.work_bounds import check_work
 
     # 3 variants of 2 images a prompt, the largest 128x64: each prompt 6 images of up to 2 MiB, 12 MiB a prompt
     cfg = work_cfg(shard_size=1707, sweep={"height": [32, 128, 64]})
@@ -64,16 +64,16 @@ def test_a_sweep_to_a_larger_size_counts_its_variants_and_its_largest_images(one
 
 
 def test_a_prompt_whose_images_alone_pass_the_bound_asks_for_fewer_images(monkeypatch):
-    import launcher.checks.space
-    from launcher.checks.work_bounds import check_work
+    import launcher.sizing.space
+    from launcher.sizing.work_bounds import check_work
 
-    monkeypatch.setattr(launcher.checks.space, "estimate_bytes", lambda cfg, images: images * 11 * GIB)
+    monkeypatch.setattr(launcher.sizing.space, "estimate_bytes", lambda cfg, images: images * 11 * GIB)
     with pytest.raises(ConfigError, match="22.0 GiB .* use fewer generate.images_per_prompt or sweep values$"):
         check_work(work_cfg(shard_size=1), procs_per_host=1, host_bytes=10**15)
 
 
 def test_one_call_is_bounded_by_half_the_hosts_memory_over_its_processes(one_mib_an_image):
-    from launcher.checks.work_bounds import check_work
+    from launcher.sizing.work_bounds import check_work
 
     # 2 x 2 images of 64x64x3 values, each held as float32 (4 bytes), then in up to queue_shards + 2 = 4 uint8
     # copies: 4 * 12,288 * 8 = 393,216 bytes; half of the host over 3 processes must hold that
@@ -149,7 +149,7 @@ def test_the_cards_runs_are_listed_by_start_with_what_each_made(tmp_path):
 
 
 def test_the_dry_run_says_how_shards_spread_over_replicas_and_warns_of_idle_ones():
-    from launcher.checks.cost import replica_lines
+    from launcher.sizing.cost import replica_lines
 
     assert replica_lines(10, 40, 4, 2, 2) == [
         "# replicas: 4 (dp=2 x 2 workers); 10 shards to generate, 2.5 per replica"
@@ -166,8 +166,8 @@ def test_the_dry_run_says_how_shards_spread_over_replicas_and_warns_of_idle_ones
 
 
 def test_the_dry_runs_durations_and_sizes_take_the_largest_unit_they_fill():
-    from launcher.checks.cost import duration
-    from launcher.checks.space import size_text
+    from launcher.sizing.cost import duration
+    from launcher.sizing.space import size_text
 
     assert [duration(s) for s in (0.4, 59.6, 60, 5400, 3600 * 30, 86400 * 2.25)] == [
         "0 s",
@@ -189,7 +189,7 @@ def test_the_dry_runs_durations_and_sizes_take_the_largest_unit_they_fill():
 
 
 def test_a_models_bytes_on_disk_count_each_blob_once_and_skip_a_link_to_nothing(tmp_path):
-    from launcher.checks.cost import disk_bytes
+    from launcher.sizing.cost import disk_bytes
 
     blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc" / "unet"
     blobs.mkdir()
@@ -203,8 +203,8 @@ def test_a_models_bytes_on_disk_count_each_blob_once_and_skip_a_link_to_nothing(
 
 
 def test_the_output_line_says_the_images_size_the_room_and_warns_when_they_do_not_fit(tmp_path):
-    from launcher.checks.cost import output_lines
     from launcher.ledger.store import Store
+    from launcher.sizing.cost import output_lines
 
     cfg = OmegaConf.create({"generate": {"height": 100, "width": 100}, "output": {"format": "jpeg"}})
     # JPEG is 0.35 bytes a pixel (space.py's docstring): 1,000 images of 100x100 are 3,500,000 bytes = 3.3 MB
@@ -223,7 +223,7 @@ def test_the_output_line_says_the_images_size_the_room_and_warns_when_they_do_no
 
 
 def test_hub_ids_are_org_name_or_name_and_anything_like_a_path_is_a_path():
-    from launcher.checks.model_files import looks_like_hub_id
+    from launcher.sizing.model_files import looks_like_hub_id
 
     ids = ["black-forest-labs/FLUX.1-dev", "gpt2"]
     paths = ["/abs/model", "./rel", "../up", "~/home", "a/b/c", "org/name/", ".hidden"]
@@ -249,7 +249,7 @@ def pipeline_folder(root, transformer_files=("a.safetensors", "b.safetensors")):
 
 
 def test_a_pipeline_missing_a_component_or_a_weight_shard_is_incomplete_by_file_names(tmp_path):
-    from launcher.checks.model_files import check_components, read_json
+    from launcher.sizing.model_files import check_components, read_json
 
     pipeline_folder(tmp_path / "whole")
     check_components("m", tmp_path / "whole")
@@ -689,8 +689,8 @@ def test_the_dry_run_says_the_device_mesh_plan_held_and_rejected_rows_then_this_
     dataset.bad_rows=skip are said there too (one example row named by file and line, or by position)."""
     from types import SimpleNamespace as NS
 
-    from launcher.checks import cost
     from launcher.host.launch import dry_run_lines
+    from launcher.sizing import cost
 
     monkeypatch.setattr(cost, "cost_lines", lambda pf: ["# cost: (cost lines)"])
     cfg = OmegaConf.create(

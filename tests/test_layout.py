@@ -10,11 +10,15 @@ import pytest
 LAUNCHER = Path(__file__).resolve().parent.parent / "launcher"
 # room -> rooms it must never import (the root's shared modules and launcher/models are open to all)
 BOOKS = ("sources", "plan", "ids", "ledger")  # the bookkeeping: rows in, the plan (by row and by id), what is done
-# host runs a job; checks/ is its preflight (which applies the worker's rules) and publish/ its dataset card (which
-# describes the worker's files) and push, which a tool also runs without a job
-RUNS = ("host", "checks", "publish", "worker")
-FORBIDDEN = {room: RUNS for room in BOOKS} | {"models": (*RUNS, *BOOKS), "worker": ("host", "checks", "publish")}
-FORBIDDEN |= {"checks": ("host", "publish"), "publish": ("host", "checks")}
+# host runs a job; checks/ is its preflight (which applies the worker's rules), sizing/ what the job takes (mesh,
+# memory, bytes, time), publish/ its dataset card (which describes the worker's files) and push, which a tool also
+# runs without a job
+RUNS = ("host", "checks", "sizing", "publish", "worker")
+FORBIDDEN = {room: RUNS for room in BOOKS} | {
+    "models": (*RUNS, *BOOKS),
+    "worker": ("host", "checks", "sizing", "publish"),
+}
+FORBIDDEN |= {"checks": ("host", "publish"), "sizing": ("host", "checks", "publish"), "publish": ("host", "checks")}
 
 
 def _imports(path: Path) -> set[str]:

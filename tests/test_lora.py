@@ -230,9 +230,9 @@ def test_preflight_refuses_a_lora_with_one_line(case, loras, tmp_path, launcher_
 
 
 def test_memory_plan_counts_the_loras_own_bytes(loras):
-    from launcher.checks.memory import GIB
-    from launcher.checks.mesh_plan import need_gib
     from launcher.config import load_config
+    from launcher.sizing.memory import GIB
+    from launcher.sizing.mesh_plan import need_gib
 
     model, files = loras("flux2")
     per_rank = {"transformer": 3 * GIB, "text_encoder": GIB, "vae": GIB // 4}

@@ -7,8 +7,8 @@ import struct
 import pytest
 from conftest import PROMPTS, launch
 
-from launcher.checks import memory
 from launcher.models.checkpoints import PUBLISHED
+from launcher.sizing import memory
 
 MESH_LINE = re.compile(
     r"# mesh: dp=(\d+) tp=(\d+) \((\w+), ([\d.]+) GiB per chip; per rank: transformer ([\d.e-]+) GiB, "
@@ -81,7 +81,7 @@ def test_t5_keeps_its_wo_in_float32_only_for_float16():
 def test_what_is_on_the_chip_together():
     from omegaconf import OmegaConf
 
-    from launcher.checks.mesh_plan import need_gib
+    from launcher.sizing.mesh_plan import need_gib
 
     per_rank = {"transformer": 10 * memory.GIB, "text_encoder": 6 * memory.GIB, "vae": memory.GIB}
     base = {"generate": {"batch_size": 1, "height": 1024, "width": 1024}}
@@ -135,8 +135,8 @@ FLUX2_DEV_RANK_GIB = {1: 103.65, 2: 53.07, 4: 27.78, 8: 15.14}
 
 
 def test_flux2_dev_weights_per_rank_at_each_tp():
-    from launcher.checks.mesh_plan import rank_bytes
     from launcher.config import load_config
+    from launcher.sizing.mesh_plan import rank_bytes
 
     cfg = load_config("flux2_tp")
     for tp, gib in FLUX2_DEV_RANK_GIB.items():
@@ -161,8 +161,8 @@ def test_a_mesh_that_does_not_fit_is_refused_by_the_run_and_its_dry_run_alike(tm
 
 
 def test_every_real_conf_names_its_chip_and_fits_it(launcher_main, capsys):
-    from launcher.checks.mesh_plan import CHIP_DEVICE
     from launcher.config import available_confs, load_config
+    from launcher.sizing.mesh_plan import CHIP_DEVICE
 
     for conf in (c for c in available_confs() if not c.startswith("tiny")):  # the tiny jobs run on this host
         cfg = load_config(conf, [PROMPTS])

@@ -2227,14 +2227,14 @@ def test_an_aborted_shard_leaves_nothing_and_an_empty_one_still_has_its_files(tm
 
 
 def test_a_run_the_output_stopped_ends_with_one_line_saying_why(tmp_path, monkeypatch):
-    """launcher/checks/space.py: out of space (a worker said so, the launcher failed, or less room than one shard
+    """launcher/sizing/space.py: out of space (a worker said so, the launcher failed, or less room than one shard
     needs), out of inodes, or a folder that refuses writes: the run's last line says which and how to go on; a run
     with room that nothing stopped says nothing. The output's own numbers are this seam's (statvfs, a probe)."""
     import errno
 
-    from launcher.checks import space
     from launcher.config import load_config
     from launcher.ledger.store import Store
+    from launcher.sizing import space
 
     cfg = load_config("tiny", ["generate.height=64", "generate.width=64", "run.shard_size=4"])
     store = Store(tmp_path)

@@ -100,7 +100,7 @@ def test_the_defaults_embed_and_write_no_files(tmp_path):
     ],
 )
 def test_the_space_estimate_counts_the_copies_written(overrides, copies):
-    from launcher.checks.space import estimate_bytes
+    from launcher.sizing.space import estimate_bytes
 
     cfg = load_config("tiny", ["generate.height=1024", "generate.width=1024", *overrides])
     assert estimate_bytes(cfg, 10) == int(10 * 1024 * 1024 * 1.8 * copies)

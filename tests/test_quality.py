@@ -205,8 +205,8 @@ def test_run_scores_keeps_columns_and_score_tool_adds_them(quality_models, run_j
 def test_the_memory_plan_counts_the_quality_models_per_rank():
     """CLIP ViT-L/14 has 427,616,513 parameters (its model card's 428M; the checker is its vision tower and
     projection, ~304M); each writing rank holds them whole, in model.dtype, on top of the pipeline's share."""
-    from launcher.checks import memory, mesh_plan
     from launcher.config import load_config
+    from launcher.sizing import memory, mesh_plan
 
     base = ["model.dtype=bfloat16", "mesh.tp=2"]
     plain, clip = load_config("tiny", base), load_config("tiny", [*base, "quality.clip_score=true"])

@@ -366,7 +366,7 @@ def test_a_16_bit_reference_keeps_its_range():
 
 # -- inode exhaustion is said as such
 def test_inode_exhaustion_is_not_called_out_of_space(tmp_path, monkeypatch):
-    from launcher.checks.space import stopped_by_space
+    from launcher.sizing.space import stopped_by_space
 
     real = os.statvfs
     monkeypatch.setattr(os, "statvfs", lambda p: _no_inodes(real(p)))

@@ -5,14 +5,14 @@
     python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
     python tools/mutants.py ROOM --again                     run only what the last run did not kill
 
-A room is a folder (sources, plan, ids, ledger, checks, host, publish, worker, jobs); pyproject's [tool.mutmut] mutates
-them all and names one list of fast tests for them all. mutmut's stats run (once, kept in mutants/mutmut-stats.json
-until that list changes) records which of those tests call each function, and each mutant runs only those, so each room
-gets the tests that cover it without a list per room. A room is chosen by a mutant-name glob (`launcher.worker.*`),
-which also makes mutmut run that room's mutants again even where an earlier run left a result. `--again` names instead
-the room's mutants that the last run left alive, without a test, suspicious or not checked (after new tests, minutes
-instead of the room's hour); a function changed since then gets new mutants at that run, which the next `--again` runs.
-A change of pyproject's test list makes mutmut forget every result: then run the room whole.
+A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, jobs); pyproject's [tool.mutmut]
+mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
+mutants/mutmut-stats.json until that list changes) records which of those tests call each function, and each mutant runs
+only those, so each room gets the tests that cover it without a list per room. A room is chosen by a mutant-name glob
+(`launcher.worker.*`), which also makes mutmut run that room's mutants again even where an earlier run left a result.
+`--again` names instead the room's mutants that the last run left alive, without a test, suspicious or not checked
+(after new tests, minutes instead of the room's hour); a function changed since then gets new mutants at that run, which
+the next `--again` runs. A change of pyproject's test list makes mutmut forget every result: then run the room whole.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "host", "publish", "worker")
+LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "sizing", "host", "publish", "worker")
 ROOMS = {room: f"launcher/{room}" for room in LAUNCHER_ROOMS} | {"jobs": "jobs"}
 # mutmut's exit codes of a mutant's test run (mutmut/stats.py status_by_exit_code); anything else is suspicious.
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout"}

@@ -45,6 +45,7 @@ E2E = {
     "launcher.checks.quality_models": [
         "tests/test_quality.py::test_the_launcher_downloads_the_quality_models_once_for_offline_workers"
     ],
+    "launcher.sizing": ["tests/test_launch.py"],
     "jobs": [JOB],
 }
 CONTROL = "meshgen-e2e-control__mutmut_0"  # a name no mutant has: every process runs the code as written

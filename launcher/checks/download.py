@@ -12,8 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from launcher.checks.model_files import complete_in_cache, looks_like_hub_id
 from launcher.errors import ConfigError
+from launcher.sizing.model_files import complete_in_cache, looks_like_hub_id
 
 logger = logging.getLogger(__name__)
 

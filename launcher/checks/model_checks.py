@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.checks.family_checks import check_cache, check_family, tiny_family
-from launcher.checks.model_files import cached_root, check_components, looks_like_hub_id, read_json
 from launcher.errors import ConfigError
 from launcher.models import GENERIC, Family, family_of, pipeline_class
 from launcher.models.checkpoints import Component, published, published_pipeline
+from launcher.sizing.model_files import cached_root, check_components, looks_like_hub_id, read_json
 
 
 @dataclass

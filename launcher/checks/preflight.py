@@ -53,7 +53,7 @@ def settings(pf: Preflight) -> None:
 
 def device(pf: Preflight) -> None:
     """The device the workers run on, and the named chip against it."""
-    from launcher.checks.mesh_plan import check_chip
+    from launcher.sizing.mesh_plan import check_chip
     from launcher.worker.dist import resolve_device
 
     if pf.cfg.device != "auto":
@@ -114,8 +114,8 @@ def model(pf: Preflight) -> None:
 
 def mesh(pf: Preflight) -> None:
     """`auto` resolved, the weights against the chip's memory, the processes against this host's chips."""
-    from launcher.checks.mesh_plan import plan_mesh
     from launcher.checks.settings import check_mesh, local_chip_count
+    from launcher.sizing.mesh_plan import plan_mesh
 
     if pf.model.configs is None and pf.cfg.mesh.tp == "auto" and not pf.dry_run:
         return  # tp=auto needs the model's configs: decided once `fetch` has them

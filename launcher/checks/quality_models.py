@@ -20,7 +20,7 @@ def fetch_quality_models(cfg) -> None:
 
 
 def _fetch(path: str, what: str) -> None:
-    from launcher.checks.model_files import looks_like_hub_id
+    from launcher.sizing.model_files import looks_like_hub_id
 
     if Path(path).expanduser().is_dir() or not looks_like_hub_id(path) or os.environ.get("HF_HUB_OFFLINE") == "1":
         return  # a folder, or offline: from_pretrained says what is missing

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from launcher.errors import ConfigError
+from launcher.sizing.mesh_plan import local_chip_count
 
 logger = logging.getLogger(__name__)
 
@@ -153,19 +154,6 @@ def check_mesh(cfg, device: str | None = None, host: bool = True) -> None:
             f"mesh.dp * mesh.tp = {per_host} processes per host but this host has {chips} "
             f"{device} chips; lower mesh.dp or mesh.tp"
         )
-
-
-def local_chip_count(device: str) -> int | None:
-    """Chips this host offers to `device` workers; None where any number of processes may run (cpu) or unknown."""
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.device_count()  # NVML: counts without creating a CUDA context in the launcher
-    if device == "tpu":
-        from launcher.worker.dist import tpu_chip_count
-
-        return tpu_chip_count() or None
-    return None
 
 
 def check_output(cfg) -> None:

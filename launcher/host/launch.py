@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from launcher.checks import prepare
-from launcher.checks.space import best_effort, warn_if_short
 from launcher.errors import EXIT_OK, EXIT_SHARDS_FAILED, ConfigError, LockHeld, OutputRefused
 from launcher.host.summary import Progress, summarize
 from launcher.host.worker_start import start_method
+from launcher.sizing.space import best_effort, warn_if_short
 from launcher.worker.execution import mode_env
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,6 @@ def supervise(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
 def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     """The books of the run (lock, plan, records, summary), the workers in between. On a job over several hosts
     the first host's launcher keeps them; the others only run their workers."""
-    from launcher.checks.space import stopped_by_space
     from launcher.host.metrics import metrics_file
     from launcher.ledger import runs
     from launcher.ledger.lock import RunLock, other_live_runs
@@ -154,6 +153,7 @@ def keep_books(pf, conf: str, overrides: list[str], plan_: LaunchPlan) -> int:
     from launcher.plan.stale import record_kept
     from launcher.publish.card import write_card
     from launcher.publish.run import start_publisher
+    from launcher.sizing.space import stopped_by_space
     from launcher.sources import rejected
     from launcher.workers import resolve_workers
 
@@ -361,7 +361,7 @@ def dry_run_lines(pf) -> list[str]:
         at = f"{first['file']}, line {first['line']}" if first["file"] else f"row {first['position']}"
         n = len(plan.rejected)
         lines.append(f"# rejected: {n} rows set aside (dataset.bad_rows=skip), e.g. {at}: {first['reason']}")
-    from launcher.checks.cost import cost_lines
+    from launcher.sizing.cost import cost_lines
 
     lines += cost_lines(pf)  # replicas, output bytes and room, download, expected time
     index, count = resolve_workers(cfg)  # what the scheduler's environment makes of this host

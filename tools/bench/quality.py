@@ -3,7 +3,7 @@
 - measured: the tiny random-weight CLIP and safety checker (launcher/models/_tiny_quality.py) scoring `--images`
   images of `--size` pixels on this machine's CPU, seconds per image (min of `--repeats`), each column alone, as
   launcher/worker/quality.py runs them (preprocessing included);
-- computed: the forward FLOPs of the real models per image from their configs (launcher/checks/memory.py's
+- computed: the forward FLOPs of the real models per image from their configs (launcher/sizing/memory.py's
   PUBLISHED_QUALITY: CLIP ViT-L/14 at 224 pixels, 257 image tokens and 77 text tokens; the checker's ViT-L/14),
   against FLUX.2-dev's per image at 1024x1024 and 28 steps (its transformer over 4096 image + 512 text tokens per
   step, one pass a step as its guidance is distilled, and its text encoder once; the VAE decode left out).
@@ -30,7 +30,7 @@ def vit_flops(c: dict, tokens: int, patch_pixels: int = 0) -> float:
 
 
 def quality_flops() -> dict[str, float]:
-    from launcher.checks.memory import PUBLISHED_QUALITY
+    from launcher.sizing.memory import PUBLISHED_QUALITY
 
     clip = PUBLISHED_QUALITY["openai/clip-vit-large-patch14"]
     v, t = clip["vision_config"], clip["text_config"]
@@ -41,8 +41,8 @@ def quality_flops() -> dict[str, float]:
 
 
 def flux2_dev_flops(height: int = 1024, width: int = 1024, steps: int = 28, text_tokens: int = 512) -> float:
-    from launcher.checks import memory
     from launcher.models.checkpoints import published
+    from launcher.sizing import memory
 
     comps = published("black-forest-labs/FLUX.2-dev")
     lib, cls, cfg = comps["transformer"]

@@ -28,8 +28,8 @@ def largest_size(g) -> tuple[int, int]:
 
 def check_work(cfg, procs_per_host: int, host_bytes: int | None = None) -> None:
     """Refuse a shard whose files, or a call whose images, exceed their bounds (ConfigError naming the numbers)."""
-    from launcher.checks.space import estimate_bytes
     from launcher.plan.sweep import n_variants
+    from launcher.sizing.space import estimate_bytes
 
     g = cfg.generate
     h, w = largest_size(g)

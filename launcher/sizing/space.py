@@ -129,4 +129,4 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-size_text = _size  # the dry run's cost lines (launcher/checks/cost.py) say sizes the same way
+size_text = _size  # the dry run's cost lines (launcher/sizing/cost.py) say sizes the same way

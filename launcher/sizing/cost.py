@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from launcher.checks.space import estimate_bytes, free_bytes, size_text
+from launcher.sizing.space import estimate_bytes, free_bytes, size_text
 
 SPEEDS_FILE = "launcher/models/speeds.py"
 
@@ -64,8 +64,8 @@ def output_lines(cfg, store, images: int) -> list[str]:
 
 
 def download_line(cfg) -> str:
-    from launcher.checks.model_files import cached_root, looks_like_hub_id
     from launcher.models.checkpoints import DOWNLOADS
+    from launcher.sizing.model_files import cached_root, looks_like_hub_id
 
     path = str(cfg.model.path)
     if Path(path).is_dir():

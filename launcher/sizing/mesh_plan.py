@@ -1,6 +1,6 @@
 """The mesh: `mesh.tp=auto` and `mesh.dp=auto` resolved once, in the launcher, and whether the weights fit.
 
-Per-rank weights come from the model's configs (launcher/checks/memory.py), the chip's memory from a table or
+Per-rank weights come from the model's configs (launcher/sizing/memory.py), the chip's memory from a table or
 `mesh.chip_memory_gib`. A rank needs its weights plus a working margin: a tenth of the chip (runtime, compiled
 programs, allocator fragmentation) and 2 GiB per megapixel of a batch (latents, attention, the VAE decode of a
 1024x1024 image). Which weights are on the chip together: all of them; with `execution.offload=model` one model
@@ -15,9 +15,9 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from launcher.checks import memory
-from launcher.checks.work_bounds import check_work
 from launcher.errors import ConfigError
+from launcher.sizing import memory
+from launcher.sizing.work_bounds import check_work
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +271,6 @@ def detect_chip(cfg, device: str) -> Chip:
         )
     per_host = cfg.mesh.chips_per_host
     if per_host is None:
-        from launcher.checks.settings import local_chip_count
-
         per_host = local_chip_count(device) if device != "cpu" else 1
     return Chip(name, float(memory_gib) if memory_gib else None, per_host or None)
 
@@ -297,3 +295,16 @@ def _detect(device: str) -> tuple[str, float | None]:
     if device == "cpu":
         return "cpu", round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / memory.GIB, 1)
     return device, None
+
+
+def local_chip_count(device: str) -> int | None:
+    """Chips this host offers to `device` workers; None where any number of processes may run (cpu) or unknown."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()  # NVML: counts without creating a CUDA context in the launcher
+    if device == "tpu":
+        from launcher.worker.dist import tpu_chip_count
+
+        return tpu_chip_count() or None
+    return None
