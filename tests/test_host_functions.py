@@ -999,3 +999,45 @@ def test_a_shard_that_failed_max_attempts_times_is_held_and_the_last_line_says_h
         f"'1', '2', '3', '4': {('boom ' * 50)[:200]}); a rerun fails them again: fix the row(s), then run {rerun} "
         "run.shards=failed"
     ) in capsys.readouterr().err
+
+
+def test_an_object_store_output_is_checked_by_its_bucket_and_a_missing_one_is_one_line(store_env, monkeypatch):
+    """launcher/checks/settings.py: an s3:// or gs:// output.dir's bucket must answer (nothing is written); a missing
+    bucket or an unknown scheme is one line naming output.dir and what to check."""
+    from launcher.checks.settings import check_object_store
+
+    scheme, env = store_env
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    url_scheme = "s3" if scheme == "s3" else "gs"
+    check_object_store(f"{url_scheme}://meshgen-test/runs/a")  # the local server's bucket: fine
+    with pytest.raises(ConfigError) as e:
+        check_object_store(f"{url_scheme}://no-such-bucket-here/x")
+    assert str(e.value).startswith(f"output.dir={url_scheme}://no-such-bucket-here/x cannot be reached (")
+    assert str(e.value).endswith("STORAGE_EMULATOR_HOST for a local GCS server)")
+    with pytest.raises(
+        ConfigError, match=r"^output.dir=ftp://b/x: unknown scheme ftp://; use a local path, gs:// or s3://$"
+    ):
+        check_object_store("ftp://b/x")
+
+
+def test_the_first_host_refuses_a_rendezvous_port_another_program_holds(monkeypatch):
+    """DESIGN-level behaviour of a multi-host job: host 0 serves the store on MASTER_PORT; a port in use is one line
+    before anything starts; other hosts do not bind it."""
+    import socket
+
+    from launcher.checks.settings import check_store_port
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        check_store_port(1)  # not the first host: nothing to bind
+        with pytest.raises(ConfigError) as e:
+            check_store_port(0)
+    assert str(e.value) == (
+        f"MASTER_PORT {port} cannot be bound on this host (Address already in use); another program holds it: "
+        "pick a free port and set MASTER_PORT to it on every host"
+    )
+    check_store_port(0)  # free again
