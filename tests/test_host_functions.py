@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import test_lora
 from conftest import until
 from omegaconf import OmegaConf
 
@@ -507,6 +508,19 @@ SETTINGS_REFUSED = {
     "testing.batch_sleep_s=-1": "testing.batch_sleep_s=-1.0 must be between 0 and 60 seconds",
     "model.dtype=fp8": "model.dtype='fp8' is not one of bfloat16, float16, float32",
     "run.on_error=retry": "run.on_error='retry' is not one of continue, abort",
+    # output's encoding: DESIGN's formats and the encoders' own ranges (JPEG/WebP quality 1-100, zlib level 0-9,
+    # libwebp method 0-6), each just outside its range
+    "output.format=gif": "output.format='gif' is not one of png, jpeg, webp",
+    "output.png_encoder=cv2": "output.png_encoder='cv2' is not one of imagecodecs, pil",
+    "output.quality=0": "output.quality=0 must be in 1..100",
+    "output.quality=101": "output.quality=101 must be in 1..100",
+    "output.png_level=-1": "output.png_level=-1 must be in 0..9",
+    "output.png_level=10": "output.png_level=10 must be in 0..9",
+    "output.webp_method=-1": "output.webp_method=-1 must be in 0..6",
+    "output.webp_method=7": "output.webp_method=7 must be in 0..6",
+    "output.row_group_size=0": "output.row_group_size=0 must be >= 1",
+    "output.lossless=true": "output.lossless=true applies to output.format=webp only (png is always lossless); "
+    "drop it or use output.format=webp",
 }
 
 
@@ -518,6 +532,32 @@ def test_each_setting_out_of_its_range_is_one_line_naming_the_key_and_the_value(
     with pytest.raises(ConfigError) as e:
         check_settings(load_config("tiny", [override]))
     assert str(e.value) == SETTINGS_REFUSED[override]
+
+
+def test_a_lossless_jpeg_is_refused_as_lossy():
+    from launcher.checks.settings import check_settings
+    from launcher.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        check_settings(load_config("tiny", ["output.format=jpeg", "output.lossless=true"]))
+    assert str(e.value) == (
+        "output.lossless=true applies to output.format=webp only (jpeg is lossy); drop it or use output.format=webp"
+    )
+
+
+@pytest.mark.parametrize(
+    "edges",
+    [
+        ["output.quality=1", "output.png_level=0", "output.webp_method=0", "output.row_group_size=1"],
+        ["output.quality=100", "output.png_level=9", "output.webp_method=6", "output.format=webp"],
+        ["output.format=webp", "output.lossless=true", "output.png_encoder=pil", "output.row_group_size=100000"],
+    ],
+)
+def test_output_settings_at_their_bounds_pass(edges):
+    from launcher.checks.settings import check_settings
+    from launcher.config import load_config
+
+    check_settings(load_config("tiny", edges))
 
 
 def test_settings_at_their_bounds_pass_and_a_testing_hold_file_needs_its_folder(tmp_path):
@@ -1041,3 +1081,438 @@ def test_the_first_host_refuses_a_rendezvous_port_another_program_holds(monkeypa
         "pick a free port and set MASTER_PORT to it on every host"
     )
     check_store_port(0)  # free again
+
+
+# --- The preflight's downloads (checks/download.py, checks/quality_models.py) against the fake Hub in this process.
+
+REPO, GATED = "meshgen-test/tiny-flux2", "meshgen-test/gated-flux2"
+
+
+@pytest.fixture
+def model_hub(tiny_model, tmp_path, monkeypatch):
+    """The fake Hub (tests/fake_hub.py) serving the tiny pipeline plus a single-file checkpoint it does not load,
+    a gated copy, and two quality-model repos (one with safetensors, one with its PyTorch pickle only); this
+    process's huggingface_hub pointed at it with an empty cache, no token, a 2 s wait."""
+    from fake_hub import FakeHub, serve
+    from huggingface_hub import constants, hf_api
+
+    hub = FakeHub()
+    hub.add_folder(REPO, tiny_model, extra={"all-in-one.safetensors": b"\0" * 1024})
+    hub.add_folder(GATED, tiny_model, gated=True)
+    for name, weights in (("clip", "model.safetensors"), ("old", "pytorch_model.bin")):
+        files = {"config.json": b"{}", "vocab.txt": b"a", weights: b"w", "README.md": b"#", "tf_model.h5": b"h"}
+        hub.repos[f"org/{name}"] = type(hub.repos[REPO])(files)
+    server = serve(hub)
+    template = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, hub.url, 1)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)  # file URLs: set at import
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(hf_api.api, "endpoint", hub.url)  # the module's HfApi, which diffusers' download asks
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 2)
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield hub
+    server.shutdown()
+
+
+def fetched(hub, repo: str) -> list[str]:
+    return sorted(p.split("/resolve/", 1)[1].split("/", 1)[1] for p in hub.requested("GET") if f"/{repo}/resolve/" in p)
+
+
+def test_a_hub_id_is_fetched_once_with_the_files_its_pipeline_loads_and_a_complete_cache_asks_nothing(
+    model_hub, tiny_model, tmp_path, monkeypatch
+):
+    """download.py's words: only what the pipeline loads (not the repo's single-file checkpoints), model_index.json
+    first; a complete cache, a folder, a path that is no hub id, or HF_HUB_OFFLINE=1: no request at all."""
+    from launcher.checks.download import ensure_downloaded
+
+    ensure_downloaded(REPO)
+    wanted = sorted(str(p.relative_to(tiny_model)) for p in tiny_model.rglob("*") if p.is_file())
+    got = fetched(model_hub, REPO)
+    assert set(got) <= set(wanted) and len(got) == len(set(got)), got  # nothing else, each file once
+    assert {w for w in wanted if w.endswith((".safetensors", "/config.json"))} <= set(got)  # every weight, config
+    gets = model_hub.requested("GET")
+    first = next(i for i, p in enumerate(gets) if "/resolve/" in p)
+    assert gets[first].endswith("/model_index.json") and f"/api/models/{REPO}" in gets[:first]  # info, then it
+    snapshot = next((tmp_path / "hub").glob("models--meshgen-test--tiny-flux2/snapshots/*"))
+    assert (snapshot / "vae" / "diffusion_pytorch_model.safetensors").is_file()
+    before = len(model_hub.log)
+    ensure_downloaded(REPO)  # complete: nothing asked
+    ensure_downloaded(str(tiny_model))  # a folder
+    ensure_downloaded("some/local/path")  # three parts: a path, not a hub id
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ensure_downloaded("meshgen-test/not-cached")
+    assert model_hub.log[before:] == []
+
+
+def test_a_gated_or_unknown_hub_id_is_one_line_and_nothing_is_fetched(model_hub):
+    from launcher.checks.download import ensure_downloaded
+
+    url = model_hub.url
+    with pytest.raises(ConfigError) as e:
+        ensure_downloaded(GATED)
+    assert str(e.value) == (
+        f"model.path {GATED} is a gated repo: log in (hf auth login, or set HF_TOKEN) with an account that "
+        f"accepted its license at {url}/{GATED}"
+    )
+    with pytest.raises(ConfigError) as e:
+        ensure_downloaded("meshgen-test/no-such-model")
+    assert str(e.value) == (
+        f"model.path meshgen-test/no-such-model is not a repo on {url} (or a private one: log in with "
+        "hf auth login); check the id, or point model.path at a local folder"
+    )
+    assert not any(p.endswith(".safetensors") for p in model_hub.requested("GET"))
+
+
+def test_a_hub_that_never_answers_is_one_line_within_its_wait_and_a_busy_one_is_left_to_the_download(
+    silent_hub, monkeypatch
+):
+    """hub_answers' words: no HTTP answer within HF_HUB_ETAG_TIMEOUT is one line naming the wait; an HTTP answer is
+    an answer: 429 and 5xx are left to the caller's retrying download, any other error raised to the caller."""
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from launcher.checks.download import ensure_downloaded, hub_answers
+
+    url, paths = silent_hub
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        hub_answers("org/m", "quality.clip_model")
+    assert time.monotonic() - start < 10 and paths == ["/api/models/org/m"]
+    assert str(e.value) == (
+        f"quality.clip_model org/m: the hub at {url} did not answer within 1 s (ReadTimeout); check the network and "
+        "HF_ENDPOINT (HF_HUB_ETAG_TIMEOUT sets the wait), or download it elsewhere (hf download org/m) into HF_HOME"
+    )
+    codes = []
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(codes[0])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    Thread(target=server.serve_forever, daemon=True).start()
+    busy = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setattr(constants, "ENDPOINT", busy)
+    try:
+        for code in (429, 500, 503):
+            codes[:] = [code]
+            hub_answers("org/m", "model.path")  # left to the download's retries
+        codes[:] = [403]
+        with pytest.raises(HfHubHTTPError):
+            hub_answers("org/m", "model.path")
+        # A hub that answers the info but not a file: the download's own failure, as one line.
+        codes[:] = [400]
+        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+        with pytest.raises(ConfigError) as e:
+            ensure_downloaded("org/m")
+        line = str(e.value)
+        assert line.startswith(f"cannot download model.path org/m from {busy} (") and "\n" not in line
+        assert line.endswith("); check the network, or download it elsewhere (hf download org/m) into HF_HOME")
+    finally:
+        server.shutdown()
+
+
+def test_quality_models_are_fetched_once_with_only_what_from_pretrained_loads(model_hub, tmp_path):
+    """quality_models.py's words: configs, tokenizer files and safetensors weights; an older repo's PyTorch pickle
+    where it has no safetensors; only for the scores that are on; a repo that cannot be downloaded is one line."""
+    from launcher.checks.quality_models import fetch_quality_models
+
+    q = {"clip_score": True, "clip_model": "org/clip", "safety": False, "safety_model": "org/old"}
+    fetch_quality_models(OmegaConf.create({"quality": q}))
+    assert fetched(model_hub, "org/clip") == ["config.json", "model.safetensors", "vocab.txt"]
+    assert fetched(model_hub, "org/old") == []  # safety is off
+    fetch_quality_models(OmegaConf.create({"quality": q | {"clip_score": False, "safety": True}}))
+    assert fetched(model_hub, "org/old") == ["config.json", "pytorch_model.bin", "vocab.txt"]
+    fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": str(tmp_path)}}))  # a folder: nothing
+    with pytest.raises(ConfigError) as e:
+        fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": "org/none"}}))
+    assert str(e.value).startswith("quality.clip_model=org/none cannot be downloaded (")
+    assert str(e.value).endswith("); check the id and your HF_TOKEN") and "\n" not in str(e.value)
+
+
+# --- The model checks (checks/model_checks.py) over the published configs and a local pipeline folder.
+
+FLUX2_DEV = "black-forest-labs/FLUX.2-dev"
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """No hub id is in this process's Hugging Face cache, and the network may be used."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def model_refusal(conf: str, *overrides: str) -> str | None:
+    """check_model's line for the job, or None where it passes."""
+    from launcher.checks.model_checks import check_model, locate
+    from launcher.config import load_config
+
+    cfg = load_config(conf, list(overrides))
+    try:
+        check_model(cfg, locate(cfg))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_tp_must_divide_the_heads_of_each_sharded_model_of_flux2_dev(empty_cache):
+    """FLUX.2-dev's published configs (checkpoints.py): a transformer of 48 heads, a Mistral text encoder of 32
+    query and 8 key-value heads; only a sharded model's heads bound mesh.tp."""
+    assert model_refusal("flux2_tp", "mesh.tp=8") is None
+    assert model_refusal("flux2_tp", "mesh.tp=16") == (
+        "mesh.tp=16 does not divide the text encoder's num_key_value_heads=8; use a tp that divides 8"
+    )
+    assert model_refusal("flux2_tp", "mesh.tp=16", "model.shard_text_encoder=false") is None
+    assert model_refusal("flux2_tp", "mesh.tp=3") == (
+        "mesh.tp=3 does not divide the text encoder's num_attention_heads=32; use a tp that divides 32"
+    )
+    assert model_refusal("flux2_tp", "mesh.tp=5", "model.shard_text_encoder=false") == (
+        "mesh.tp=5 does not divide the transformer's num_attention_heads=48; use a tp that divides 48"
+    )
+    off = ("model.shard_text_encoder=false", "model.shard_transformer=false")
+    assert model_refusal("flux2_tp", "mesh.tp=5", *off) == (
+        "mesh.tp=5 shards nothing: model.shard_transformer is false and model.shard_text_encoder is false; "
+        "use mesh.tp=1 and mesh.dp for more chips"
+    )
+    assert model_refusal("sd35_medium", "mesh.tp=2", "mesh.dp=1") == (  # SD3's encoders: CLIP and T5, no plan
+        "mesh.tp=2 shards nothing: model.shard_transformer is false and model.shard_text_encoder cannot be: "
+        "StableDiffusion3Pipeline has no tensor-parallel plan for it; use mesh.tp=1 and mesh.dp for more chips"
+    )
+    assert model_refusal("flux2_tp", "mesh.tp=5", "model.shard_transformer=false") == (
+        "mesh.tp=5 does not divide the text encoder's num_attention_heads=32; use a tp that divides 32"
+    )
+
+
+def test_sizes_are_multiples_of_the_vae_scale_times_the_patch_and_at_most_4_megapixels(empty_cache):
+    """FLUX.2's VAE has 4 levels (scale 8) and its latents are packed 2x2, so sizes are multiples of 16; every
+    family allows at most 4 * 2**20 pixels (DESIGN's bound), that many exactly included."""
+    assert model_refusal("flux2_tp", "generate.height=1000") == (
+        "generate.height=1000 is not a multiple of 16 (VAE scale factor x patch size for this model); use e.g. 992"
+    )
+    assert model_refusal("flux2_tp", "generate.width=8") == (
+        "generate.width=8 is not a multiple of 16 (VAE scale factor x patch size for this model); use e.g. 16"
+    )
+    assert model_refusal("flux2_tp", "generate.height=2048", "generate.width=2048") is None
+    assert model_refusal("flux2_tp", "generate.height=2048", "generate.width=2064") == (
+        "generate.height x generate.width = 2048x2064 is more than the 4.0 megapixels this model family allows; "
+        "use a smaller size"
+    )
+
+
+@pytest.mark.parametrize(
+    ("conf", "hub_id", "what", "multiple"),
+    [
+        ("sd35_medium", "stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline", 16),  # 8 x patch 2
+        ("qwenimage_tp", "Qwen/Qwen-Image", "QwenImagePipeline", 16),  # 3 temporal downsamplings: 8, packed 2x2
+        ("flux1_schnell", "black-forest-labs/FLUX.1-schnell", "FluxPipeline", 16),
+    ],
+)
+def test_a_published_model_not_yet_downloaded_is_known_by_its_configs(empty_cache, conf, hub_id, what, multiple):
+    from launcher.checks.model_checks import locate, size_multiple
+    from launcher.config import load_config
+
+    model = locate(load_config(conf, [f"model.path={hub_id}"]))
+    assert (model.path, model.root, model.what) == (hub_id, None, what) and model.family is not None
+    assert "transformer" in model.configs and "vae" in model.configs
+    assert size_multiple(model) == multiple
+
+
+def test_a_model_path_that_cannot_be_found_is_one_line_and_an_unknown_hub_id_is_checked_after_its_download(
+    empty_cache, tmp_path, monkeypatch
+):
+    from launcher.checks.model_checks import locate
+    from launcher.config import load_config
+
+    gone = tmp_path / "no" / "model"
+    assert model_refusal("tiny", f"model.path={gone}", "model.build=null") == (
+        f"model.path {gone} does not exist; point it at a diffusers pipeline folder or a hub id"
+    )
+    assert model_refusal("tiny", f"model.path={tmp_path}", "model.build=null") == (
+        f"model.path {tmp_path} is not a diffusers pipeline (no model_index.json in {tmp_path}); "
+        "point it at the pipeline's top folder"
+    )
+    # An id the table does not know: nothing is known before its download, so nothing is refused yet.
+    assert model_refusal("flux2_tp", "model.path=org/unknown", "mesh.tp=7", "generate.height=1000") is None
+    model = locate(load_config("tiny", ["model.path=org/unknown", "model.build=null"]))
+    assert (model.root, model.family, model.what, model.configs) == (None, None, "this pipeline", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the run could not download it either
+    assert model_refusal("flux2_tp", f"model.path={FLUX2_DEV}") == (
+        f"model.path {FLUX2_DEV} is neither a local folder nor in the Hugging Face cache; download it first "
+        f"(hf download {FLUX2_DEV}) or set model.path to a local folder"
+    )
+
+
+def test_a_pipeline_folder_is_read_from_its_configs_and_its_vae_sets_the_size_multiple(tiny_model, monkeypatch):
+    """_configs' words: each component of model_index.json as (library, class, its config.json)."""
+    from launcher.checks.model_checks import locate, size_multiple
+    from launcher.config import load_config
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    model = locate(load_config("tiny", [f"model.path={tiny_model}"]))
+    index = json.loads((tiny_model / "model_index.json").read_text())
+    assert (model.root, model.what) == (tiny_model, index["_class_name"])
+    parts = {k for k, v in index.items() if isinstance(v, list) and v[0] and (tiny_model / k / "config.json").is_file()}
+    assert set(model.configs) == parts and "scheduler" not in parts
+    for part in parts:
+        config = json.loads((tiny_model / part / "config.json").read_text())
+        assert model.configs[part] == (index[part][0], index[part][1], config)
+    levels = len(json.loads((tiny_model / "vae" / "config.json").read_text())["block_out_channels"])
+    assert size_multiple(model) == 2 ** (levels - 1) * 2
+    assert "HF_HUB_OFFLINE" not in os.environ  # a folder: workers never ask a hub
+
+
+# --- The LoRA checks (checks/lora_checks.py), in this process over the tiny model's LoRAs (tests/test_lora.py).
+loras = test_lora.loras
+
+
+def lora_cfg(model: Path, *files_scales: tuple[Path, float]):
+    from launcher.config import load_config
+
+    entries = ",".join(f"{{path:{f},scale:{s}}}" for f, s in files_scales)
+    return load_config("tiny", [f"model.path={model}", f"model.loras=[{entries}]"])
+
+
+def test_a_lora_with_non_finite_values_is_refused_naming_its_first_tensor_and_the_files_count(loras, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from launcher.checks.lora_checks import check_loras
+
+    model, files = loras("flux2")
+    sd = load_file(str(files[0]))
+    keys = list(sd)
+    sd[keys[1]][0, :2] = float("nan")  # 2 here, then 1 inf in a later tensor: 3 in the file
+    sd[keys[3]][0, 0] = float("inf")
+    bad = tmp_path / "nan.safetensors"
+    save_file(sd, str(bad))
+    with safe_open(str(bad), "pt") as f:
+        first = next(k for k in f.keys() if k in (keys[1], keys[3]))  # the file's order, not the dict's
+    with pytest.raises(ConfigError) as e:
+        check_loras(lora_cfg(model, (files[0], 1.0), (bad, 0.5)), model)
+    n = 2 if first == keys[1] else 1
+    assert str(e.value) == (
+        f"model.loras[1] {bad}: tensor {first!r} holds {n} non-finite values (NaN or inf; 3 in the file), which "
+        "would make every image black; use a sound checkpoint of the LoRA"
+    )
+    assert torch.isfinite(load_file(str(files[0]))[keys[1]]).all()  # the fixture's own file is untouched
+
+
+def test_a_file_that_is_not_a_lora_is_one_line_with_the_readers_first_line(loras, tmp_path, monkeypatch):
+    """The reader's error, its first line cut at 200 characters, or its type where it says nothing."""
+    from launcher.checks import lora_checks
+    from launcher.worker import lora
+
+    model, files = loras("flux2")
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(files[0].read_bytes()[:100])  # truncated: safetensors' own error
+    with pytest.raises(ConfigError) as e:
+        lora_checks.check_loras(lora_cfg(model, (short, 1.0)), model)
+    line = str(e.value)
+    assert line.startswith(f"model.loras[0] {short} cannot be read as a LoRA (") and line.endswith(")")
+    assert "\n" not in line and len(line) > len(f"model.loras[0] {short} cannot be read as a LoRA ()")
+    for message, shown in (("x" * 300 + "\nsecond", "x" * 200), ("", "RuntimeError"), ("first\nsecond", "first")):
+
+        def fail(file, message=message):
+            raise RuntimeError(message)
+
+        monkeypatch.setattr(lora, "non_finite", fail)
+        with pytest.raises(ConfigError) as e:
+            lora_checks.check_loras(lora_cfg(model, (files[0], 1.0)), model)
+        assert str(e.value) == f"model.loras[0] {files[0]} cannot be read as a LoRA ({shown})"
+    monkeypatch.undo()
+    for message, shown in (("y" * 300, "y" * 200), ("", "KeyError"), ("one\ntwo", "one")):
+
+        def unreadable(cls, file, path, message=message):
+            raise (KeyError() if not message else OSError(message))
+
+        monkeypatch.setattr(lora, "factors", unreadable)
+        with pytest.raises(ConfigError) as e:
+            lora_checks.check_loras(lora_cfg(model, (files[1], 1.0)), model)
+        assert str(e.value) == f"model.loras[0] {files[1]} cannot be read as a LoRA ({shown})"
+
+
+def test_each_sound_lora_is_logged_with_the_layers_it_changes_per_component(loras, caplog):
+    """One line per LoRA: its index, file name, scale and how many layers of each component its keys name."""
+    from safetensors import safe_open
+
+    from launcher.checks.lora_checks import check_loras
+
+    model, files = loras("flux2")
+    with caplog.at_level("INFO", logger="launcher.checks.lora_checks"):
+        check_loras(lora_cfg(model, (files[0], 0.5), (files[1], 1.25)), model)
+    lines = [r.getMessage() for r in caplog.records if r.name == "launcher.checks.lora_checks"]
+    expected = []
+    for i, (f, s) in enumerate(((files[0], 0.5), (files[1], 1.25))):
+        with safe_open(str(f), "pt") as t:
+            layers = {}
+            for k in t.keys():
+                if ".lora_A." in k:
+                    part, module = k.split(".", 1)
+                    layers.setdefault(part, set()).add(module.split(".lora_A.")[0])
+        counts = ", ".join(f"{len(m)} {c} layers" for c, m in layers.items())
+        expected.append(f"LoRA {i} ({f.name}, scale {s}): {counts}")
+    assert lines == expected
+
+
+FAMILY_REFUSED = {  # (conf, overrides): check_model's line, over the published configs of the recipes' models
+    ("sd35_medium", "job=edit"): "job=edit: StableDiffusion3Pipeline does not take reference images (family sd3); "
+    "use a model that edits (families: flux2, flux2_klein, qwenimage_edit) or job=text_to_image",
+    ("sd35_medium", "execution.mode=compile", "execution.offload=model"): "execution.mode=compile with "
+    "execution.offload=model compiles the transformer's repeated blocks, which StableDiffusion3Pipeline does not "
+    "define; use execution.offload=none (whole-transformer compile) or execution.mode=eager",
+    ("sd35_medium", "mesh.tp=2", "model.shard_transformer=true"): "mesh.tp=2: StableDiffusion3Pipeline has no "
+    "tensor-parallel plan for its transformer; use mesh.tp=1 (and mesh.dp for more chips), or "
+    "model.shard_transformer=false",
+    ("flux1_schnell", "mesh.tp=2", "model.shard_transformer=false"): "mesh.tp=2 shards nothing: "
+    "model.shard_transformer is false and model.shard_text_encoder cannot be: FluxPipeline has no tensor-parallel "
+    "plan for it; use mesh.tp=1 and mesh.dp for more chips",
+    ("sd35_medium", "execution.staged=true"): "execution.staged=true is not supported for this model (family sd3 "
+    "declares no separate prompt encoding); use execution.staged=false",
+    ("flux1_schnell", "execution.cache=taylorseer"): "execution.cache=taylorseer is not supported for this model "
+    "(family flux1; supported: none); use execution.cache=none or one of those",
+    ("flux2_tp", "execution.cache=first_block"): "execution.cache=first_block is not supported for this model "
+    "(family flux2; supported: taylorseer, magcache); use execution.cache=none or one of those",
+}
+FAMILY_PASSED = [  # each refusal's nearest job that is sound
+    ("sd35_medium", "job=text_to_image"),
+    ("flux2_tp", "job=edit"),
+    ("sd35_medium", "execution.mode=eager", "execution.offload=model"),
+    ("flux1_schnell", "execution.mode=compile", "execution.offload=model"),  # the FLUX.1 recipe: repeated blocks
+    ("flux1_schnell", "mesh.tp=2", "model.shard_transformer=true"),
+    ("flux2_tp", "execution.staged=true"),
+    ("flux2_tp", "execution.cache=taylorseer"),
+    # MagCache's ratios are given per model; its steps come from generate.num_inference_steps (5 ratios, 28 steps)
+    ("flux2_tp", "execution.cache=magcache", "+execution.cache_options.mag_ratios=[1.0,1.0,1.0,1.0,1.0]"),
+]
+
+
+@pytest.mark.parametrize("job", FAMILY_REFUSED)
+def test_each_family_limit_is_one_line_naming_the_pipeline_or_family(empty_cache, job):
+    assert model_refusal(*job) == FAMILY_REFUSED[job]
+
+
+@pytest.mark.parametrize("job", FAMILY_PASSED)
+def test_the_nearest_sound_job_of_each_family_limit_passes(empty_cache, job):
+    assert model_refusal(*job) is None
+
+
+def test_cache_options_diffusers_refuses_are_one_line_with_its_first_line(empty_cache):
+    line = model_refusal("flux2_tp", "execution.cache=taylorseer", "+execution.cache_options.bogus=1")
+    head = "execution.cache_options={'bogus': 1} are not accepted by diffusers' TaylorSeerCacheConfig ("
+    assert line.startswith(head)
+    assert "unexpected keyword argument 'bogus'" in line and line.endswith("); fix or remove them")

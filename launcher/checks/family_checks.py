@@ -55,9 +55,10 @@ def check_family(cfg, fam: Family, what: str) -> None:
         cfg.model.shard_text_encoder and fam.tp_text_encoder
     )
     if not sharded:
+        encoder = "is false" if fam.tp_text_encoder else f"cannot be: {what} has no tensor-parallel plan for it"
         raise ConfigError(
-            f"mesh.tp={tp} shards nothing: {what} has no tensor-parallel plan for its text encoder, and "
-            "model.shard_transformer is false; use mesh.tp=1 and mesh.dp for more chips"
+            f"mesh.tp={tp} shards nothing: model.shard_transformer is false and model.shard_text_encoder {encoder}; "
+            "use mesh.tp=1 and mesh.dp for more chips"
         )
 
 

@@ -78,7 +78,6 @@ def _tiny_configs(fam: Family) -> dict[str, Component]:
             return _configs(Path(fam.build_tiny(Path(tmp) / "model")))
         finally:
             logging.disable(logging.NOTSET)
-    return _configs(Path(fam.build_tiny(Path(tmp) / "model")))
 
 
 def check_model(cfg, model: Model) -> None:
