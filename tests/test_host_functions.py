@@ -521,6 +521,17 @@ SETTINGS_REFUSED = {
     "output.row_group_size=0": "output.row_group_size=0 must be >= 1",
     "output.lossless=true": "output.lossless=true applies to output.format=webp only (png is always lossless); "
     "drop it or use output.format=webp",
+    # DESIGN's per-row bounds hold for the job's own values too: steps 1..1000, guidance 0..100
+    "generate.num_inference_steps=1001": "generate.num_inference_steps=1001 must be an integer from 1 to 1000",
+    "generate.guidance_scale=100.5": "generate.guidance_scale=100.5 must be a finite number from 0 to 100",
+    "execution.mode=fast": "execution.mode='fast' is not one of eager, defer_and_fuse, compile",
+    "execution.offload=sequential": "execution.offload='sequential' is not one of none, model",
+    "execution.cache=deepcache": "execution.cache='deepcache' is not one of none, taylorseer, first_block, magcache",
+    "device=mps": "device='mps' is not one of auto, tpu, cuda, cpu",
+    "run.stale=ignore": "run.stale='ignore' is not one of error, regenerate, keep",
+    "dataset.bad_rows=drop": "dataset.bad_rows='drop' is not one of refuse, skip",
+    "generate.reference_fit=fill": "generate.reference_fit='fill' is not one of crop, pad, stretch",
+    "job=inpaint": "job='inpaint' is not one of text_to_image, edit",
 }
 
 
@@ -532,6 +543,76 @@ def test_each_setting_out_of_its_range_is_one_line_naming_the_key_and_the_value(
     with pytest.raises(ConfigError) as e:
         check_settings(load_config("tiny", [override]))
     assert str(e.value) == SETTINGS_REFUSED[override]
+
+
+def test_of_several_unset_keys_or_bounds_the_first_is_the_line():
+    from launcher.checks.settings import check_settings
+    from launcher.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        check_settings(load_config("tiny", ["model.path=???", "dataset.path=???"]))
+    assert str(e.value) == "dataset.path is not set; give it on the command line (dataset.path=...) or in the job"
+    with pytest.raises(ConfigError) as e:
+        check_settings(load_config("tiny", ["generate.num_inference_steps=2000", "generate.guidance_scale=101"]))
+    assert str(e.value) == "generate.num_inference_steps=2000 must be an integer from 1 to 1000"
+
+
+def test_a_lora_scale_sweep_passes_the_settings_for_a_configured_lora():
+    """The settings check the sweep's LoRA indices against model.loras (the model check refuses the sweep later)."""
+    from launcher.checks.settings import check_settings
+    from launcher.config import load_config
+
+    lora = ["model.loras=[{path:/x.safetensors,scale:0.5}]", "generate.sweep={lora_scale.0:[0.5,1.0]}"]
+    check_settings(load_config("tiny", lora))
+
+
+MESH_REFUSED = {
+    ("mesh.dp=0", "mesh.tp=0"): "mesh.dp=0 and mesh.tp=0 must be at least 1 (processes = mesh.dp * mesh.tp)",
+    ("mesh.nodes=0",): "mesh.nodes=0 must be at least 1 (processes = mesh.dp * mesh.tp)",
+    ("mesh.dp=3", "mesh.tp=1", "mesh.nodes=2"): "mesh.dp * mesh.tp = 3 processes do not split evenly over mesh.nodes=2",
+    ("mesh.dp=1", "mesh.tp=2", "execution.offload=model"): "execution.offload=model cannot combine with mesh.tp=2: "
+    "offload moves whole models between host and chip; use mesh.tp=1 or execution.offload=none",
+    ("mesh.dp=4", "mesh.tp=2", "mesh.nodes=1"): "mesh.dp * mesh.tp = 8 processes per host but this host has 4 tpu "
+    "chips; lower mesh.dp or mesh.tp",
+}
+
+
+@pytest.mark.parametrize("mesh", MESH_REFUSED)
+def test_the_meshs_numbers_and_this_hosts_chips(mesh, monkeypatch):
+    from launcher.checks import settings
+    from launcher.config import load_config
+
+    monkeypatch.setattr(settings, "local_chip_count", lambda device: 4 if device == "tpu" else None)
+    with pytest.raises(ConfigError) as e:
+        settings.check_mesh(load_config("tiny", list(mesh)), "tpu")
+    assert str(e.value) == MESH_REFUSED[mesh]
+
+
+def test_a_mesh_that_fits_this_hosts_chips_or_is_checked_for_another_host_passes(monkeypatch):
+    from launcher.checks import settings
+    from launcher.config import load_config
+
+    monkeypatch.setattr(settings, "local_chip_count", lambda device: 4 if device == "tpu" else None)
+    settings.check_mesh(load_config("tiny", ["mesh.dp=8", "mesh.tp=1", "mesh.nodes=2"]), "tpu")  # 4 a host
+    settings.check_mesh(load_config("tiny", ["mesh.dp=2", "mesh.tp=2", "execution.offload=none"]), "tpu")
+    settings.check_mesh(load_config("tiny", ["mesh.dp=1", "mesh.tp=1", "execution.offload=model"]), "tpu")
+    settings.check_mesh(load_config("tiny", ["mesh.dp=8", "mesh.tp=1"]), "tpu", host=False)  # another host's job
+
+
+def test_an_output_dir_that_is_a_file_or_under_one_is_one_line_and_nothing_is_made(tmp_path):
+    from launcher.checks.settings import check_output
+    from launcher.config import load_config
+
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(ConfigError) as e:
+        check_output(load_config("tiny", [f"output.dir={f}"]))
+    assert str(e.value) == f"output.dir {f} is a file; choose a folder"
+    with pytest.raises(ConfigError) as e:
+        check_output(load_config("tiny", [f"output.dir={f}/a/b"]))
+    assert str(e.value) == f"output.dir {f}/a/b cannot be created: {f} is a file; choose another folder"
+    check_output(load_config("tiny", [f"output.dir={tmp_path}/new/deeper"]))  # made later, by the run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
 def test_a_lossless_jpeg_is_refused_as_lossy():
@@ -1516,3 +1597,48 @@ def test_cache_options_diffusers_refuses_are_one_line_with_its_first_line(empty_
     head = "execution.cache_options={'bogus': 1} are not accepted by diffusers' TaylorSeerCacheConfig ("
     assert line.startswith(head)
     assert "unexpected keyword argument 'bogus'" in line and line.endswith("); fix or remove them")
+
+
+def sweep_refusal(conf: str, *overrides: str) -> str | None:
+    from launcher.checks.model_checks import locate
+    from launcher.checks.sweep_checks import check_sweep_model
+    from launcher.config import load_config
+
+    cfg = load_config(conf, list(overrides))
+    try:
+        check_sweep_model(cfg, locate(cfg))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+SWEEP_REFUSED = {  # FLUX.2-dev's sizes are multiples of 16, at most 4 * 2**20 pixels; it has no true CFG
+    ("flux2_tp", "generate.sweep={height:[1024,1000]}"): "generate.sweep.height: value 1000 is not a multiple of 16 "
+    "(this model's size factor); use e.g. 992",
+    ("flux2_tp", "generate.sweep={width:[8]}"): "generate.sweep.width: value 8 is not a multiple of 16 (this "
+    "model's size factor); use e.g. 16",
+    ("flux2_tp", "generate.height=2048", "generate.sweep={width:[1024,2064]}"): "generate.sweep: 2064x2048 is 4.0 "
+    "megapixels, more than the 4.0 this model family allows; use a smaller size",
+    ("flux2_tp", "generate.width=2064", "generate.sweep={height:[2048]}"): "generate.sweep: 2064x2048 is 4.0 "
+    "megapixels, more than the 4.0 this model family allows; use a smaller size",
+    ("flux2_tp", "generate.sweep={true_cfg_scale:[1.5]}"): "generate.sweep.true_cfg_scale: this model's family "
+    "(flux2) has no true_cfg_scale apart from guidance_scale; sweep guidance_scale instead",
+    ("flux2_tp", "+model.call_kwargs.true_cfg_scale=2.0"): "model.call_kwargs.true_cfg_scale: this model's family "
+    "(flux2) has no true_cfg_scale apart from guidance_scale; use generate.guidance_scale",
+}
+SWEEP_PASSED = [
+    ("flux2_tp", "generate.sweep={height:[1024,992],width:[2048,16]}"),  # 2048x2048 at most: 4 * 2**20 exactly
+    ("flux2_tp", "generate.height=2048", "generate.sweep={guidance_scale:[1.0,2.0]}"),
+    ("flux1_schnell", "generate.sweep={true_cfg_scale:[1.0,1.5]}"),  # FluxPipeline's true CFG
+    ("flux1_schnell", "+model.call_kwargs.true_cfg_scale=2.0"),
+]
+
+
+@pytest.mark.parametrize("job", SWEEP_REFUSED)
+def test_each_swept_size_and_true_cfg_is_checked_against_the_model(empty_cache, job):
+    assert sweep_refusal(*job) == SWEEP_REFUSED[job]
+
+
+@pytest.mark.parametrize("job", SWEEP_PASSED)
+def test_sweeps_the_model_allows_pass(empty_cache, job):
+    assert sweep_refusal(*job) is None
