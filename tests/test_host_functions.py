@@ -1,8 +1,8 @@
-"""Fast tests of the launcher's own functions (launcher/host/, checks/, publish/), in this process, no workers: the
-bounds a job is held to at planning, what the dataset card says, the torchrun command, the books of a run that
-starts no worker, the workers' log files and terminal. Expected values are worked out here from the words of
-DESIGN.md or of the module's own docstring, never from the product's functions. These are the host, checks and
-publish rooms' tests under `make mutants`."""
+"""Fast tests of the launcher's own functions (launcher/host/, checks/, sizing/, publish/), in this process, no
+workers: the bounds a job is held to at planning, the preflight's refusals and downloads, the mesh plan, what the
+dataset card says, the torchrun command, the books of a run that starts no worker, the workers' log files and
+terminal. Expected values are worked out here from the words of DESIGN.md or of the module's own docstring, never
+from the product's functions. These are the host, checks, sizing and publish rooms' tests under `make mutants`."""
 
 from __future__ import annotations
 
@@ -1642,3 +1642,121 @@ def test_each_swept_size_and_true_cfg_is_checked_against_the_model(empty_cache, 
 @pytest.mark.parametrize("job", SWEEP_PASSED)
 def test_sweeps_the_model_allows_pass(empty_cache, job):
     assert sweep_refusal(*job) is None
+
+
+# --- The mesh plan (sizing/mesh_plan.py) of FLUX.2-dev, against numbers worked out here by hand.
+
+# FLUX.2-dev's parameters (tests/test_memory_plan.py): transformer 32,223,281,152 of which 31,406,948,352 in sharded
+# layers, text encoder 23,340,272,640 of which 22,900,899,840, VAE 84,046,372 (not sharded); bf16: 2 bytes each.
+FLUX2_DEV_PARAMS = {"transformer": (32_223_281_152, 31_406_948_352), "text_encoder": (23_340_272_640, 22_900_899_840)}
+
+
+def flux2_rank_gib(tp: int) -> dict[str, float]:
+    out = {k: (total - sharded + sharded / tp) * 2 / GIB for k, (total, sharded) in FLUX2_DEV_PARAMS.items()}
+    return out | {"vae": 84_046_372 * 2 / GIB}
+
+
+def flux2_need_text(tp: int, how: str = "together") -> str:
+    """mesh_plan's words: per-rank weights (each part), how they share the chip, + 2 GiB a megapixel of a call."""
+    r = flux2_rank_gib(tp)
+    on_chip = {"together": sum(r.values()), "staged": max(r["transformer"], r["text_encoder"]) + r["vae"]}[how]
+    how = {"together": "together", "staged": "text encoder and transformer in turn (staged)"}[how]
+    parts = ", ".join(f"{p} {r[p]:.1f}" for p in ("transformer", "text_encoder", "vae"))
+    return f"per-rank weights ({parts} GiB, on the chip {how}) + 2.0 GiB working margin = {on_chip + 2:.1f} GiB"
+
+
+def flux2_plan(*overrides: str, device: str = "tpu", strict: bool = True):
+    from launcher.config import load_config
+    from launcher.models.checkpoints import PUBLISHED
+    from launcher.sizing.mesh_plan import plan_mesh
+
+    cfg = load_config("flux2_tp", ["dataset.path=/data/p.txt", *overrides])
+    return plan_mesh(cfg, device, PUBLISHED["black-forest-labs/FLUX.2-dev"], strict=strict), cfg
+
+
+def flux2_refusal(*overrides: str, device: str = "tpu") -> str:
+    with pytest.raises(ConfigError) as e:
+        flux2_plan(*overrides, device=device)
+    return str(e.value)
+
+
+def test_a_mesh_whose_weights_do_not_fit_names_the_smallest_tp_that_does():
+    """v6e: 32 GiB, 90% usable (28.8); at tp=2 the weights are 53.1 GiB a rank; tp=4 needs 29.8, tp=8 17.1."""
+    usable = "28.8 GiB usable per v6e chip (32 GiB less 10% reserved)"
+    assert flux2_refusal("mesh.tp=2", "mesh.dp=4") == (
+        f"mesh dp=4 tp=2 does not fit: {flux2_need_text(2)} > {usable}; use mesh.tp=8 or mesh.tp=auto"
+    )
+    assert flux2_refusal("mesh.tp=2", "mesh.dp=4", "execution.staged=true") == (  # 30.9 + 2 > 28.8; tp=4 fits
+        f"mesh dp=4 tp=2 does not fit: {flux2_need_text(2, 'staged')} > {usable}; use mesh.tp=4 or mesh.tp=auto"
+    )
+    plan, cfg = flux2_plan("mesh.tp=2", "mesh.dp=4", strict=False)  # a dry run for another host: said, not refused
+    assert plan.why == [
+        f"would be refused: mesh dp=4 tp=2 does not fit: {flux2_need_text(2)} > {usable}; use mesh.tp=8 or mesh.tp=auto"
+    ]
+    small = "14.4 GiB usable per v6e chip (16 GiB less 10% reserved)"
+    assert flux2_refusal("mesh.tp=8", "mesh.dp=1", "mesh.chip_memory_gib=16") == (
+        f"mesh dp=1 tp=8 does not fit: {flux2_need_text(8)} > {small}; use more chips (mesh.tp), "
+        "execution.offload=model, a smaller generate.batch_size or size"
+    )
+    plan, _ = flux2_plan("mesh.tp=8", "mesh.dp=1")
+    assert (plan.dp, plan.tp, plan.why) == (1, 8, [])
+    assert {k: round(v / GIB, 2) for k, v in plan.per_rank.items()} == {
+        k: round(v, 2) for k, v in flux2_rank_gib(8).items()
+    }
+
+
+def test_cpu_processes_share_the_hosts_memory():
+    """On cpu every process of the host shares its RAM: 8 processes of a 32 GiB host have 3.6 GiB each."""
+    line = flux2_refusal(
+        "device=cpu", "mesh.chip=cpu", "mesh.chip_memory_gib=32", "mesh.tp=2", "mesh.dp=4", device="cpu"
+    )
+    assert line == (
+        f"mesh dp=4 tp=2 does not fit: {flux2_need_text(2)} > 3.6 GiB usable per cpu chip (32 GiB less 10% "
+        "reserved); use more chips (mesh.tp), execution.offload=model, a smaller generate.batch_size or size"
+    )
+
+
+def test_tp_auto_takes_the_smallest_tp_that_fits_and_says_what_the_next_smaller_would_need(monkeypatch):
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    plan, cfg = flux2_plan("mesh.tp=auto", "mesh.dp=1")
+    need8, need4 = sum(flux2_rank_gib(8).values()) + 2, sum(flux2_rank_gib(4).values()) + 2
+    assert (plan.tp, cfg.mesh.tp) == (8, 8)
+    assert plan.why == [
+        f"tp=auto chose 8: the smallest tp that divides the sharded heads and fits: {need8:.1f} GiB per rank of "
+        f"28.8 GiB usable; tp=4 would need {need4:.1f} GiB"
+    ]
+    plan, _ = flux2_plan("mesh.tp=auto", "mesh.dp=1", "mesh.chip=h200", "device=cuda", device="cuda")
+    assert plan.tp == 1 and plan.why[0].endswith("of 126.9 GiB usable")  # 141 x 0.9; nothing smaller to name
+    assert flux2_refusal("mesh.tp=auto", "mesh.dp=1", "mesh.chip_memory_gib=16") == (
+        f"mesh.tp=auto: no tp up to 8 fits a v6e chip: at tp=8, {flux2_need_text(8)} > 14.4 GiB usable; use more "
+        "chips (mesh.tp), execution.offload=model, a smaller generate.batch_size or size"
+    )
+    assert flux2_refusal("mesh.tp=auto", "mesh.chip=auto") == (  # a TPU host that does not say which TPU
+        "mesh.tp=auto needs the chip's memory (set mesh.chip or mesh.chip_memory_gib); or set mesh.tp to a number"
+    )
+
+
+def test_tp_auto_without_the_models_configs_and_dp_auto_without_the_chips_per_host_are_one_line():
+    from launcher.config import load_config
+    from launcher.sizing.mesh_plan import plan_mesh
+
+    cfg = load_config("flux2_tp", ["mesh.tp=auto"])
+    with pytest.raises(ConfigError) as e:
+        plan_mesh(cfg, "tpu", None)
+    assert str(e.value) == "mesh.tp=auto needs the model's configs; or set mesh.tp to a number"
+    assert flux2_refusal("mesh.dp=auto", "mesh.chips_per_host=null") == (
+        "mesh.dp=auto needs the number of chips per host; set mesh.chips_per_host"
+    )
+    plan, cfg = flux2_plan(
+        "mesh.dp=auto", "mesh.tp=4", "mesh.chips_per_host=8", "mesh.nodes=2", "mesh.chip_memory_gib=95"
+    )
+    assert (plan.dp, cfg.mesh.dp) == (4, 4) and plan.why == ["dp=auto chose 4: 8 chips per host x 2 hosts / tp 4"]
+    plan, _ = flux2_plan("mesh.dp=auto", "mesh.tp=8", "mesh.chips_per_host=8")
+    assert plan.why == ["dp=auto chose 1: 8 chips per host / tp 8"]
+    assert flux2_refusal("mesh.dp=0", "mesh.tp=0") == (
+        "mesh.dp=0 and mesh.tp=0 must be at least 1 (processes = mesh.dp * mesh.tp)"
+    )
+    assert (
+        flux2_refusal("mesh.dp=auto", "mesh.nodes=0")
+        == "mesh.nodes=0 must be at least 1 (processes = mesh.dp * mesh.tp)"
+    )
