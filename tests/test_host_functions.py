@@ -1760,3 +1760,37 @@ def test_tp_auto_without_the_models_configs_and_dp_auto_without_the_chips_per_ho
         flux2_refusal("mesh.dp=auto", "mesh.nodes=0")
         == "mesh.nodes=0 must be at least 1 (processes = mesh.dp * mesh.tp)"
     )
+
+
+def test_a_hub_id_not_yet_here_is_fetched_then_checked_and_its_mesh_planned_once(model_hub, tmp_path):
+    """preflight.py's words: where nothing was known of the model (a hub id neither cached nor in the table), the
+    steps that need its configs run again once `fetch` has the files; tp=auto is decided then, once."""
+    from launcher.checks.preflight import preflight
+    from launcher.config import load_config
+
+    job = [f"model.path={REPO}", "model.build=null", "mesh.tp=auto", "mesh.dp=auto", "device=cpu"]
+    job += ["mesh.chip=cpu", "mesh.chip_memory_gib=64", f"output.dir={tmp_path / 'out'}"]
+    pf = preflight(load_config("tiny", job))
+    assert pf.model.root is not None and pf.model.root.name != REPO and pf.model.configs
+    assert (pf.mesh.dp, pf.mesh.tp) == (1, 1)
+    head = "tp=auto chose 1: the smallest tp that divides the sharded heads and fits: "
+    assert len(pf.mesh.why) == 2 and pf.mesh.why[0].startswith(head), pf.mesh.why
+    assert pf.mesh.why[0].endswith(" GiB per rank of 57.6 GiB usable")  # 64 GiB less 10 %
+    assert pf.mesh.why[1] == "dp=auto chose 1: 1 chips per host / tp 1"  # cpu: one process a host unless told
+    assert not (tmp_path / "out").exists()  # the preflight writes nothing
+
+
+def test_the_workers_get_the_mesh_the_launcher_resolved_in_place_of_auto():
+    from types import SimpleNamespace
+
+    from launcher.checks.prepare import worker_overrides
+
+    cfg = OmegaConf.create({"mesh": {"dp": 4, "tp": 2}})
+    given = ["mesh.tp=auto", "+mesh.dp=auto", "generate.seed=3", "mesh.nodes=1"]
+    assert worker_overrides(given, cfg, SimpleNamespace(why=["tp=auto chose 2"])) == [
+        "generate.seed=3",
+        "mesh.nodes=1",
+        "mesh.dp=4",
+        "mesh.tp=2",
+    ]
+    assert worker_overrides(given, cfg, SimpleNamespace(why=[])) == given  # nothing resolved: as given

@@ -4,6 +4,7 @@
     python tools/mutants.py --counts                         print the counts of the last runs only
     python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
     python tools/mutants.py ROOM --again                     run only what the last run did not kill
+    python tools/mutants.py [ROOM] --kinds                   what each room's survivors change (tools/mutant_kinds.py)
 
 A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, jobs); pyproject's [tool.mutmut]
 mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
@@ -52,6 +53,28 @@ def verdicts(room: str, mutants: Path = REPO / "mutants") -> dict[str, str]:
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
             found[name] = STATUS.get(code, "suspicious")
     return found
+
+
+def unkilled_by_module(room: str, mutants: Path = REPO / "mutants") -> dict[str, list[str]]:
+    """The room's survived and no-test mutants, by the mutated file (relative to mutants/) that holds them."""
+    out = {}
+    for meta in sorted((mutants / ROOMS[room]).glob("*.py.meta")):
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        names = [n for n, code in codes.items() if STATUS.get(code) in ("survived", "no tests")]
+        if names:
+            out[str(meta.relative_to(mutants))[: -len(".meta")]] = names
+    return out
+
+
+def kinds_table(rooms: list[str]) -> str:
+    from mutant_kinds import kind_counts
+
+    kinds = ("behaviour", "error text", "log text")
+    lines = [f"{'room':8} {'unkilled':>8} " + " ".join(f"{k:>10}" for k in kinds)]
+    for room in rooms:
+        c = kind_counts(REPO / "mutants", unkilled_by_module(room))
+        lines.append(f"{room:8} {sum(c.values()):>8} " + " ".join(f"{c[k]:>10}" for k in kinds))
+    return "\n".join(lines)
 
 
 def counts(room: str) -> Counter:
@@ -144,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", action="store_true", help="only print the counts of the last runs")
     parser.add_argument("--survivors", action="store_true", help="only list the room's surviving mutants")
     parser.add_argument("--again", action="store_true", help="run only the mutants the last run did not kill")
+    parser.add_argument("--kinds", action="store_true", help="only say what the unkilled mutants change, by kind")
     args = parser.parse_args(argv)
     # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -152,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no room {room!r}: ROOM must be one of {', '.join(ROOMS)} or all", file=sys.stderr)
         return 2
     rooms = list(ROOMS) if room == "all" else [room]
+    if args.kinds:
+        print(kinds_table(rooms))
+        return 0
     if args.survivors:  # `mutmut show NAME` shows one
         print("\n".join(n for r in rooms for n, v in verdicts(r).items() if v in ("survived", "suspicious")))
         return 0
