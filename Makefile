@@ -41,7 +41,7 @@ test: venv
 	$(BIN)/python -m compileall -q launcher jobs tools
 	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
-# Mutation checks of each room (sources, plan, ids, ledger, checks, sizing, host, publish, worker, jobs; pyproject's
+# Mutation checks of each room (sources, plan, ids, ledger, checks, sizing, host, publish, worker, writer, jobs; pyproject's
 # [tool.mutmut] and tools/mutants.py): every surviving mutant is a change of the product that the fast tests do not
 # notice. Each mutant runs only the fast tests that call its function (mutmut's stats run), two at a time, unless ty
 # refuses it first. Not part of `make test`.

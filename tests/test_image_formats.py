@@ -10,7 +10,7 @@ from conftest import launch, pixels, read_rows
 from PIL import Image
 
 from launcher.config import load_config
-from launcher.worker.encode import Encoding, encode
+from launcher.writer.encode import Encoding, encode
 
 # JPEG's example luminance table (ITU T.81 Annex K, Table K.1), in natural order.
 ANNEX_K_LUMA = [

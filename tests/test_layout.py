@@ -12,11 +12,12 @@ LAUNCHER = Path(__file__).resolve().parent.parent / "launcher"
 BOOKS = ("sources", "plan", "ids", "ledger")  # the bookkeeping: rows in, the plan (by row and by id), what is done
 # host runs a job; checks/ is its preflight (which applies the worker's rules), sizing/ what the job takes (mesh,
 # memory, bytes, time), publish/ its dataset card (which describes the worker's files) and push, which a tool also
-# runs without a job
-RUNS = ("host", "checks", "sizing", "publish", "worker")
+# runs without a job; worker/ generates, and hands each batch to writer/, which encodes and writes a shard's files
+RUNS = ("host", "checks", "sizing", "publish", "worker", "writer")
 FORBIDDEN = {room: RUNS for room in BOOKS} | {
     "models": (*RUNS, *BOOKS),
     "worker": ("host", "checks", "sizing", "publish"),
+    "writer": ("host", "checks", "sizing", "publish", "worker"),
 }
 FORBIDDEN |= {"checks": ("host", "publish"), "sizing": ("host", "checks", "publish"), "publish": ("host", "checks")}
 
@@ -56,12 +57,12 @@ def test_every_family_module_declares_its_family():
     assert all(f.pipelines for f in families())
 
 
-def test_jobs_import_nothing_of_the_worker_or_the_launcher():
+def test_jobs_import_nothing_of_the_worker_its_writer_or_the_launcher():
     jobs = LAUNCHER.parent / "jobs"
     bad = [
         f"{p.name} imports {m}"
         for p in sorted(jobs.glob("*.py"))
         for m in sorted(_imports(p))
-        if m.startswith(("launcher.worker", "launcher.host"))
+        if m.startswith(("launcher.worker", "launcher.writer", "launcher.host"))
     ]
     assert not bad, bad

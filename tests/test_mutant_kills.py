@@ -2083,12 +2083,12 @@ def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming
 
 
 def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixed_metadata():
-    """launcher/worker/writer.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
+    """launcher/writer/writer.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
     as file names, mode 644 and time 0 so that the same samples give the same bytes; the JSON holds the row's
     columns but the image."""
     import tarfile
 
-    from launcher.worker.writer import webdataset_tar
+    from launcher.writer.writer import webdataset_tar
 
     def sample(i, pid):
         return {"id": i, "prompt_id": pid, "prompt": f"p {i}", "seed": 7, "height": 32, "width": 48,
@@ -2166,7 +2166,7 @@ def _stream_sample(i: int) -> dict:
 
 
 def test_a_shard_streamed_out_of_order_is_written_in_order_in_row_groups_and_committed_whole(tmp_path):
-    """launcher/worker/stream.py: samples that arrive before their turn wait; the Parquet holds the shard's rows in
+    """launcher/writer/stream.py: samples that arrive before their turn wait; the Parquet holds the shard's rows in
     order in row groups of output.row_group_size; image files and the WebDataset tar beside it; nothing appears
     before commit, and commit's record is each file's size and sha256."""
     import tarfile
@@ -2175,7 +2175,7 @@ def test_a_shard_streamed_out_of_order_is_written_in_order_in_row_groups_and_com
     import pyarrow.parquet as pq
 
     from launcher.ledger.store import Store
-    from launcher.worker.stream import ShardStream
+    from launcher.writer.stream import ShardStream
 
     cfg = types.SimpleNamespace(format="png", parquet=True, webdataset=True, image_files=True, row_group_size=2)
     stream = ShardStream(Store(tmp_path), "shard-00004", cfg)
@@ -2208,7 +2208,7 @@ def test_an_aborted_shard_leaves_nothing_and_an_empty_one_still_has_its_files(tm
     import pyarrow.parquet as pq
 
     from launcher.ledger.store import Store
-    from launcher.worker.stream import ShardStream
+    from launcher.writer.stream import ShardStream
 
     cfg = types.SimpleNamespace(format="png", parquet=True, webdataset=True, image_files=True, row_group_size=2)
     stream = ShardStream(Store(tmp_path), "shard-00001", cfg)
@@ -2280,7 +2280,7 @@ def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
     from launcher.ledger.states import state_rel
     from launcher.ledger.store import Store
     from launcher.publish import card
-    from launcher.worker.stream import ShardStream
+    from launcher.writer.stream import ShardStream
 
     store = Store(tmp_path)
     cfg = load_config("tiny", ["model.path=org/tiny", "model.build=null", "run.shard_size=2", "model.license=MIT"])

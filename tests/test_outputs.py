@@ -52,7 +52,7 @@ def test_embed_images_false_writes_files_that_parquet_rows_point_at(tmp_path, mo
     the working directory, so it loads from the folder itself; the state records every file."""
     import datasets
 
-    from launcher.worker.writer import write_shard
+    from launcher.writer.writer import write_shard
 
     cfg = load_config("tiny", ["output.embed_images=false"])
     assert cfg.output.image_files is True  # rows that point at files need the files
@@ -75,7 +75,7 @@ def test_embed_images_false_writes_files_that_parquet_rows_point_at(tmp_path, mo
 
 
 def test_the_defaults_embed_and_write_no_files(tmp_path):
-    from launcher.worker.writer import write_shard
+    from launcher.writer.writer import write_shard
 
     cfg = load_config("tiny", [])
     assert (cfg.output.image_files, cfg.output.embed_images) == (False, True)
@@ -257,7 +257,7 @@ def test_a_kept_column_that_clashes_or_is_missing_is_refused_at_planning(
 def test_every_column_the_writer_makes_is_reserved():
     from launcher.sources.keep import RESERVED
     from launcher.sources.prompts import SCHEMA
-    from launcher.worker.writer import QUALITY_COLUMNS, schema_of
+    from launcher.writer.writer import QUALITY_COLUMNS, schema_of
 
     sample = {"prompt_id": "p", "variant": 0, "true_cfg_scale": 1.0, "lora_scales": [1.0], "reference": []}
     sample |= {"reference_image": None, **dict.fromkeys(QUALITY_COLUMNS)}

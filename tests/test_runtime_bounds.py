@@ -145,7 +145,7 @@ def _samples(ids: list[str], seed: int, first: int | None = None) -> list[dict]:
 
 
 def test_the_writer_streams_batches_into_row_groups_and_commits_at_the_end(tmp_path):
-    from launcher.worker.bgwriter import BackgroundWriter, ShardJob
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
 
     out = load_config(
         "tiny",

@@ -222,7 +222,7 @@ def test_lora_scale_and_true_cfg_sweeps_plan_their_batches_and_columns():
 
     from jobs.text_to_image import make_batches
     from launcher.checks.sweep_checks import check_sweep_model
-    from launcher.worker.writer import schema_of
+    from launcher.writer.writer import schema_of
 
     gen = load_config("tiny", ["generate.sweep={true_cfg_scale:[1.0,2.0],lora_scale.1:[0.5,1.0]}"]).generate
     batches = make_batches([{"id": "a", "prompt": "p"}], gen, lora_scales=(1.0, 0.8))

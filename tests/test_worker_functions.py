@@ -135,8 +135,8 @@ def test_each_sample_carries_its_prompt_rows_kept_values_found_by_prompt_id():
     import pyarrow as pa
 
     from launcher.plan.shards import Shard
-    from launcher.worker.columns import carry_kept
-    from launcher.worker.writer import KEPT_FIELDS
+    from launcher.writer.columns import carry_kept
+    from launcher.writer.writer import KEPT_FIELDS
 
     kept = (pa.field("source", pa.string()), pa.field("score", pa.float32()))
     rows = ({"id": "a", "prompt": "x", "source": "web", "score": 0.5}, {"id": "b", "prompt": "y", "source": None})
@@ -184,7 +184,7 @@ def test_each_format_encodes_what_it_promises_through_either_library(library):
     import numpy as np
     from PIL import Image
 
-    from launcher.worker.encode import Encoding, encode
+    from launcher.writer.encode import Encoding, encode
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)
@@ -203,7 +203,7 @@ def test_each_format_encodes_what_it_promises_through_either_library(library):
 
 
 def test_the_card_names_each_encoding_and_files_take_its_extension():
-    from launcher.worker.encode import Encoding, default_library
+    from launcher.writer.encode import Encoding, default_library
 
     assert Encoding("png", png_level=3).describe() == "png (lossless, zlib level 3)"
     assert Encoding("webp", lossless=True, quality=50).describe() == "webp (lossless)"
@@ -222,7 +222,7 @@ def stream_sample(i: int, pixels) -> dict:
 
 
 def test_the_writer_process_encodes_each_batch_and_commits_a_shard_whole(tmp_path, monkeypatch):
-    """launcher/worker/writer_process.py in this process: a batch's images encoded as output.format says (their
+    """launcher/writer/writer_process.py in this process: a batch's images encoded as output.format says (their
     pixels handed over, not kept), added to the shard's files, which appear only at `_finish`."""
     import io
 
@@ -232,7 +232,7 @@ def test_the_writer_process_encodes_each_batch_and_commits_a_shard_whole(tmp_pat
     from PIL import Image
 
     from launcher.ledger.store import Store
-    from launcher.worker import writer_process as wp
+    from launcher.writer import writer_process as wp
 
     out = types.SimpleNamespace(format="webp", quality=95, lossless=True, png_encoder="imagecodecs", png_level=1)
     out.__dict__.update({"webp_method": 0, "parquet": True, "webdataset": False, "image_files": False})
@@ -373,7 +373,7 @@ def test_a_failure_names_its_shard_and_up_to_five_real_rows_of_its_batch():
 def test_encoders_take_half_the_hosts_cores_shared_by_its_writers(monkeypatch):
     import os
 
-    from launcher.worker.bgwriter import default_encode_workers
+    from launcher.writer.bgwriter import default_encode_workers
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert [default_encode_workers(n) for n in (0, 1, 2, 3, 8, 9)] == [8, 8, 4, 2, 1, 1]
@@ -539,7 +539,7 @@ def test_an_injected_failure_fails_its_shard_on_the_last_tp_rank_only(monkeypatc
 
 
 def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_its_files(tmp_path, caplog):
-    """launcher/worker/bgwriter.py: a shard whose batch the writer process could not write is recorded failed (the
+    """launcher/writer/bgwriter.py: a shard whose batch the writer process could not write is recorded failed (the
     error, its class, its traceback; its attempts counted as DESIGN's state says), with none of its files; a shard
     whose claim another run took over is left to it, state and all; a state the output refuses for want of room
     leaves the shard pending and the writer out of space."""
@@ -549,7 +549,7 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
 
     from launcher.config import load_config
     from launcher.ledger.store import Store
-    from launcher.worker.bgwriter import BackgroundWriter, ShardJob
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
 
     out = load_config("tiny", ["output.row_group_size=1", "output.image_files=true"]).output
     recorded, lost = [], []

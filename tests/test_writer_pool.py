@@ -11,7 +11,7 @@ from conftest import pixels, read_rows
 
 from launcher.config import load_config
 from launcher.ledger.store import Store
-from launcher.worker.bgwriter import BackgroundWriter, ShardJob
+from launcher.writer.bgwriter import BackgroundWriter, ShardJob
 
 
 def _job(index: int, n: int = 3) -> ShardJob:
@@ -101,7 +101,7 @@ DIES_AT_ONCE = """
 import os, sys
 from launcher.config import load_config
 from launcher.ledger.store import Store
-from launcher.worker.bgwriter import BackgroundWriter
+from launcher.writer.bgwriter import BackgroundWriter
 w = BackgroundWriter(Store(sys.argv[1]), load_config("tiny").output, 1, on_recorded=lambda i: None)
 print(*w._process._processes, flush=True)
 os._exit(3)

@@ -22,7 +22,7 @@ from launcher.errors import ConfigError, error_line
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR
 from launcher.ledger.store import Store
 from launcher.publish.card import open_run, shard_name, summarize, write_output
-from launcher.worker.encode import EXTENSIONS
+from launcher.writer.encode import EXTENSIONS
 
 THUMB = 192  # each image is fitted into a THUMB x THUMB square
 PAD = 8

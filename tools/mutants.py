@@ -6,8 +6,8 @@
     python tools/mutants.py ROOM --again                     run only what the last run did not kill
     python tools/mutants.py [ROOM] --kinds                   what each room's survivors change (tools/mutant_kinds.py)
 
-A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, jobs); pyproject's [tool.mutmut]
-mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
+A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, writer, jobs); pyproject's
+[tool.mutmut] mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
 mutants/mutmut-stats.json until that list changes) records which of those tests call each function, and each mutant runs
 only those, so each room gets the tests that cover it without a list per room. A room is chosen by a mutant-name glob
 (`launcher.worker.*`), which also makes mutmut run that room's mutants again even where an earlier run left a result.
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "sizing", "host", "publish", "worker")
+LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "sizing", "host", "publish", "worker", "writer")
 ROOMS = {room: f"launcher/{room}" for room in LAUNCHER_ROOMS} | {"jobs": "jobs"}
 # mutmut's exit codes of a mutant's test run (mutmut/stats.py status_by_exit_code); anything else is suspicious.
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout"}

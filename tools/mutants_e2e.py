@@ -33,6 +33,7 @@ WRITE = "tests/test_faults.py::test_a_failed_write_fails_only_that_shard_and_a_k
 # Module-name prefix -> the launched tests that run its code; the longest prefix that matches wins.
 E2E = {
     "launcher.worker": [JOB, FAULTS, WRITE],
+    "launcher.writer": [JOB, WRITE, "tests/test_outputs.py"],
     "launcher.host": [JOB, "tests/test_job.py::test_rerunning_a_finished_job_does_nothing", FAULTS],
     "launcher.host.peers": ["tests/test_hosts.py"],
     "launcher.host.agreement": ["tests/test_hosts.py"],

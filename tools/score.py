@@ -118,7 +118,7 @@ def rewrite(store: Store, index: int, pf, scorer, state: dict) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.worker.writer import QUALITY_COLUMNS
+    from launcher.writer.writer import QUALITY_COLUMNS
 
     group = pf.metadata.row_group(0).num_rows if pf.metadata.num_row_groups else 64
     buf, writer, schema = io.BytesIO(), None, None
@@ -148,7 +148,7 @@ def rewrite(store: Store, index: int, pf, scorer, state: dict) -> None:
 
 
 def _with_features(schema, old, cols):
-    from launcher.worker.writer import QUALITY_COLUMNS
+    from launcher.writer.writer import QUALITY_COLUMNS
 
     meta = json.loads((old.metadata or {}).get(b"huggingface", b'{"info": {"features": {}}}'))
     features = meta["info"]["features"]

@@ -109,7 +109,7 @@ def check_model_values(cfg) -> None:
 
 
 def check_output_settings(o) -> None:
-    from launcher.worker.encode import FORMATS, LIBRARIES
+    from launcher.writer.encode import FORMATS, LIBRARIES
 
     if o.format not in FORMATS:
         raise ConfigError(f"output.format={o.format!r} is not one of {', '.join(FORMATS)}")

@@ -162,7 +162,7 @@ def hf_features(run: Store, first_file: str) -> list[dict]:
     if b"huggingface" in raw:
         features = json.loads(raw[b"huggingface"])["info"]["features"]
     else:  # a file written without the metadata: the writer's own declaration
-        from launcher.worker.writer import _HF_FEATURES as features
+        from launcher.writer.writer import _HF_FEATURES as features
     declared = [_feature(k, f) for k, f in features.items()]
     # Columns the metadata does not describe (kept source columns, scores): from their Arrow types. The Hub reads
     # the card's features and casts every file to them, so a column left out here fails the whole load.
@@ -228,7 +228,7 @@ def front_matter(run: Store, summary: dict) -> dict:
 
 def files_section(output: dict) -> str:
     """What a loader needs to know of the files: the image encoding and the Parquet row groups."""
-    from launcher.worker.encode import Encoding
+    from launcher.writer.encode import Encoding
 
     known = {k: output[k] for k in ("format", "quality", "lossless", "png_level") if k in output}
     enc = Encoding(**known)

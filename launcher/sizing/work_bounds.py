@@ -1,6 +1,6 @@
 """What the settings make one shard and one worker hold, bounded at planning as the weights are (mesh_plan.py).
 
-A worker hands each batch's images to its writer as they are made (launcher/worker/bgwriter.py), so a shard's
+A worker hands each batch's images to its writer as they are made (launcher/writer/bgwriter.py), so a shard's
 size no longer decides a worker's memory; what still does is one pipeline call: `generate.batch_size` x
 `generate.images_per_prompt` images, held as the call's float32 output and then as uint8 in the writer's queue.
 A shard's files are still written whole (a temporary file, an object store's spool), so their size is bounded

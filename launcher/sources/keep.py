@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from launcher.errors import ConfigError
 
-# Every column that meshgen writes or carries in its plan (launcher/worker/writer.py's SCHEMA and the optional
+# Every column that meshgen writes or carries in its plan (launcher/writer/writer.py's SCHEMA and the optional
 # columns, launcher/sources/prompts.py's SCHEMA, the reference, rejected and quality columns): a kept column of the
 # same name would clash with it. tests/test_outputs.py checks that the writer's names are all here.
 RESERVED = frozenset(

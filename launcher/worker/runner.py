@@ -28,9 +28,7 @@ from launcher.plan.plan import PlanFile, plan_rel
 from launcher.plan.shards import Shard, preference, sample_ids
 from launcher.plan.sweep import n_variants, raw_sweep
 from launcher.testing import hold_until
-from launcher.worker.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
 from launcher.worker.cache import apply_cache, digest
-from launcher.worker.columns import carry_kept
 from launcher.worker.dist import Groups, ParallelDims, build_groups, init_distributed, resolve_device
 from launcher.worker.execution import CompileStats, apply_compile, cache_hits
 from launcher.worker.pipeline import load_pipeline
@@ -38,6 +36,8 @@ from launcher.worker.quality import load_scorer
 from launcher.worker.staged import shard_steps
 from launcher.worker.timing import StageTimer
 from launcher.workers import resolve_workers
+from launcher.writer.bgwriter import BackgroundWriter, ShardJob, default_encode_workers
+from launcher.writer.columns import carry_kept
 
 logger = logging.getLogger(__name__)
 stage = logging.getLogger(STAGE_EVENTS)  # what rank 0 is doing before its first image: the launcher's bar shows it

@@ -3,8 +3,8 @@
 Flat or purely synthetic images compress an order of magnitude faster than photographs and mislead, so the
 images are photographic-like: hard-edged objects softened by a lens blur, shading and texture at several
 scales, and sensor noise (about 1.9 MB each as PNG at level 1, like a real 1024x1024 photograph). They go
-through the runner's own encoding function (`launcher.worker.encode.encode`) in a spawned process pool chunked the
-way the writer process (`launcher.worker.writer_process._write_files`) chunks a shard, with 1 and 2 processes, for each
+through the runner's own encoding function (`launcher.writer.encode.encode`) in a spawned process pool chunked the
+way the writer process (`launcher.writer.writer_process._write_files`) chunks a shard, with 1 and 2 processes, for each
 format, library (imagecodecs, Pillow) and PNG level; JPEG and WebP at quality 95, lossless WebP.
 The pool is started and warmed before timing: its start-up is paid once per run, while the model loads.
 """
@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from launcher.worker.encode import Encoding, encode
+from launcher.writer.encode import Encoding, encode
 
 
 def photo_like(size: int = 1024, seed: int = 0) -> np.ndarray:
@@ -48,7 +48,7 @@ def _encode(item: tuple[np.ndarray, Encoding, str]) -> int:
 
 
 def _warm(_: int) -> int:
-    import launcher.worker.encode  # noqa: F401  (the import is what a worker's first task pays)
+    import launcher.writer.encode  # noqa: F401  (the import is what a worker's first task pays)
 
     return 0
 

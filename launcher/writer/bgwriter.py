@@ -2,9 +2,9 @@
 
 Generation hands each batch over (`add`) and goes on, then the shard's outcome (`submit`); it waits only when
 `output.queue_shards` batches or shard ends are already waiting (backpressure), and that wait is measured. So a
-worker holds a few batches of images, never a shard's (launcher/worker/stream.py writes them as they come).
-The work itself runs in a spawned writer process (launcher/worker/writer_process.py): image
-encoding (0.1-0.3 s per 1024x1024 PNG on one core, 4 ms per JPEG, 50 ms per WebP; see launcher/worker/encode.py),
+worker holds a few batches of images, never a shard's (launcher/writer/stream.py writes them as they come).
+The work itself runs in a spawned writer process (launcher/writer/writer_process.py): image
+encoding (0.1-0.3 s per 1024x1024 PNG on one core, 4 ms per JPEG, 50 ms per WebP; see launcher/writer/encode.py),
 spread over `encode_workers` processes that scale with the host's cores, Parquet and file writes, uploads.
 The generating process keeps only a thread that hands each shard over and then writes its state file, so file
 I/O never holds that process's GIL while it feeds the chips (done in a thread there, it cost ~11 ms of CPU per
@@ -34,8 +34,8 @@ from launcher.errors import unwritable
 from launcher.ledger import states as ledger
 from launcher.ledger.store import Store
 from launcher.logs import SHARD_EVENTS
-from launcher.worker.writer import delete_shard_files
-from launcher.worker.writer_process import _abort, _add_batch, _finish, _start_writer, _stop_encoders
+from launcher.writer.writer import delete_shard_files
+from launcher.writer.writer_process import _abort, _add_batch, _finish, _start_writer, _stop_encoders
 
 logger = logging.getLogger(__name__)
 events = logging.getLogger(SHARD_EVENTS)

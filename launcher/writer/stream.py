@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
 from launcher.ledger.store import Store, _commit, tmp_name
 from launcher.plan.shards import file_stem
-from launcher.worker.encode import EXTENSIONS
-from launcher.worker.writer import image_path, schema_of
+from launcher.writer.encode import EXTENSIONS
+from launcher.writer.writer import image_path, schema_of
 
 
 class _Hashed:

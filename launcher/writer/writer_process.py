@@ -1,5 +1,5 @@
-"""The writer process's side of launcher/worker/bgwriter.py: its output settings, store and encoders, set up once
-by `_start_writer`, and the shards whose files it is writing (launcher/worker/stream.py)."""
+"""The writer process's side of launcher/writer/bgwriter.py: its output settings, store and encoders, set up once
+by `_start_writer`, and the shards whose files it is writing (launcher/writer/stream.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import numpy as np
 
 from launcher.errors import die_with_parent
 from launcher.ledger.store import Store
-from launcher.worker.encode import Encoding, encode
-from launcher.worker.stream import ShardStream
-from launcher.worker.writer import warm_up
+from launcher.writer.encode import Encoding, encode
+from launcher.writer.stream import ShardStream
+from launcher.writer.writer import warm_up
 
 WRITER_NICENESS = 10  # added to the writer process's nice value (0 is the default, 19 the lowest priority)
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
 from launcher.ledger.store import Store
 from launcher.plan.shards import file_stem
-from launcher.worker.encode import EXTENSIONS
+from launcher.writer.encode import EXTENSIONS
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema
 # metadata below says so.

@@ -4,7 +4,7 @@ read them; the plan file carried them with their Arrow types), which the writer 
 from __future__ import annotations
 
 from launcher.plan.shards import Shard
-from launcher.worker.writer import KEPT_FIELDS
+from launcher.writer.writer import KEPT_FIELDS
 
 
 def carry_kept(samples: list[dict], shard: Shard) -> None:

@@ -1,0 +1,73 @@
+"""tools/mutant_kinds.py: a mutant's kind from the statement of the original that holds its change, on a mutated
+file written here the way mutmut writes them (the original and each mutant as functions side by side)."""
+
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+
+from mutant_kinds import kinds  # noqa: E402
+
+MUTATED = """
+def x_f__mutmut_orig(x):
+    if x < 0:
+        raise ValueError(f"x={x} must be at least 0")
+    logger.info(
+        "x is %d",
+        x,
+    )
+    return x + 1
+
+
+def x_f__mutmut_1(x):
+    if x < 0:
+        raise ValueError(f"x={x} must be at least 0")
+    logger.info(
+        "XXx is %dXX",
+        x,
+    )
+    return x + 1
+
+
+def x_f__mutmut_2(x):
+    if x < 0:
+        raise ValueError(None)
+    logger.info(
+        "x is %d",
+        x,
+    )
+    return x + 1
+
+
+def x_f__mutmut_3(x):
+    if x <= 0:
+        raise ValueError(f"x={x} must be at least 0")
+    logger.info(
+        "x is %d",
+        x,
+    )
+    return x + 1
+
+
+def x_f__mutmut_4(x):
+    if x < 0:
+        raise ValueError(f"x={x} must be at least 0")
+    logger.info(
+        "x is %d",
+        x,
+    )
+    return x - 1
+"""
+
+
+def test_each_mutant_is_the_kind_of_the_statement_its_change_is_in(tmp_path):
+    (tmp_path / "m.py").write_text(MUTATED)
+    names = [f"pkg.m.x_f__mutmut_{n}" for n in (1, 2, 3, 4, 9)]
+    assert kinds(tmp_path, "m.py", names) == {
+        "pkg.m.x_f__mutmut_1": "log text",  # a line inside a multi-line logging call
+        "pkg.m.x_f__mutmut_2": "error text",
+        "pkg.m.x_f__mutmut_3": "behaviour",  # the condition of the raise, not its text
+        "pkg.m.x_f__mutmut_4": "behaviour",
+        "pkg.m.x_f__mutmut_9": "behaviour",  # not in the file: counted as the worst kind
+    }
