@@ -1164,6 +1164,13 @@ def test_the_first_host_refuses_a_rendezvous_port_another_program_holds(monkeypa
     check_store_port(0)  # free again
 
 
+def online(monkeypatch) -> None:
+    """No HF_HUB_OFFLINE for this test, and none after it: the checks set it where a whole pipeline is cached, and a
+    bare delenv of a variable that is not set would leave theirs to the tests after."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # recorded: the variable is restored (or removed) at the end
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+
 # --- The preflight's downloads (checks/download.py, checks/quality_models.py) against the fake Hub in this process.
 
 REPO, GATED = "meshgen-test/tiny-flux2", "meshgen-test/gated-flux2"
@@ -1191,7 +1198,7 @@ def model_hub(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 2)
     monkeypatch.setenv("HF_TOKEN", "")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    online(monkeypatch)
     yield hub
     server.shutdown()
 
@@ -1262,7 +1269,7 @@ def test_a_hub_that_never_answers_is_one_line_within_its_wait_and_a_busy_one_is_
     url, paths = silent_hub
     monkeypatch.setattr(constants, "ENDPOINT", url)
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    online(monkeypatch)
     start = time.monotonic()
     with pytest.raises(ConfigError) as e:
         hub_answers("org/m", "quality.clip_model")
@@ -1334,7 +1341,7 @@ def empty_cache(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    online(monkeypatch)
 
 
 def model_refusal(conf: str, *overrides: str) -> str | None:
@@ -1442,7 +1449,7 @@ def test_a_pipeline_folder_is_read_from_its_configs_and_its_vae_sets_the_size_mu
     from launcher.checks.model_checks import locate, size_multiple
     from launcher.config import load_config
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    online(monkeypatch)
     model = locate(load_config("tiny", [f"model.path={tiny_model}"]))
     index = json.loads((tiny_model / "model_index.json").read_text())
     assert (model.root, model.what) == (tiny_model, index["_class_name"])
