@@ -85,7 +85,7 @@ def diffusers_fused(model: Path, files: list[Path], scales=SCALES, dtype=None):
     from diffusers.loaders.lora_base import _load_lora_into_text_encoder, fuse_text_encoder_lora
     from diffusers.utils.peft_utils import recurse_remove_peft_layers
 
-    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype or torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype or torch.float32)
     pipe.set_progress_bar_config(disable=True)
     for i, (f, s) in enumerate(zip(files, scales, strict=True)):
         name = f"l{i}"

@@ -598,7 +598,7 @@ def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_mod
 
     cfg = load_config("tiny", [f"model.path={tiny_model}", "mesh.tp=1", "mesh.dp=1", "model.dtype=bfloat16"])
     pipe = load_pipeline(cfg, torch.device("cpu"), None)
-    bare = DiffusionPipeline.from_pretrained(tiny_model, torch_dtype=torch.bfloat16)
+    bare = DiffusionPipeline.from_pretrained(tiny_model, dtype=torch.bfloat16)
     assert type(pipe) is type(bare) and pipe.transformer.dtype == torch.bfloat16
     assert pipe._progress_bar_config == {"disable": True}
     for name in ("transformer", "vae", "text_encoder"):
@@ -681,7 +681,7 @@ def test_fused_weights_are_bitwise_diffusers_in_bfloat16(family, loras, monkeypa
 
     model, files = loras(family)
     ref = diffusers_fused(model, files, dtype=torch.bfloat16)
-    ours = DiffusionPipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
+    ours = DiffusionPipeline.from_pretrained(model, dtype=torch.bfloat16)
     base = {k: v.clone() for k, v in ours.transformer.state_dict().items()}
     pipeline_class = type(ours).__name__
     fuse(ours, [(factors(pipeline_class, f, str(model)), s) for f, s in zip(files, SCALES, strict=True)])

@@ -91,7 +91,7 @@ def load_pipeline(cfg, device: torch.device, mesh):
             parts["transformer"] = _cls(classes["transformer"]).from_pretrained(
                 path,
                 subfolder="transformer",
-                torch_dtype=dtype,
+                dtype=dtype,
                 parallel_config=TensorParallelConfig(mesh=mesh["tp"]),
             )
         logger.info("transformer sharded over tp=%d", tp)
@@ -114,7 +114,7 @@ def load_pipeline(cfg, device: torch.device, mesh):
             importlib.import_module(lib)
     rest = [c for c in classes if c not in parts]
     stage.info("loading %s", ", ".join(rest) if rest else "the pipeline")
-    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **parts)
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, **parts)
     stage.info("placing on %s", device)
     place(pipe, cfg, device)
     if cfg.model.get("loras"):

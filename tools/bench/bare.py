@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(cfg.device)
     rows = read_prompts(cfg.dataset.path, cfg.dataset.prompt_column, cfg.dataset.id_column, cfg.dataset.limit)
     t_imports = time.time()
-    pipe = DiffusionPipeline.from_pretrained(cfg.model.path, torch_dtype=DTYPES[cfg.model.dtype]).to(device)
+    pipe = DiffusionPipeline.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype]).to(device)
     pipe.set_progress_bar_config(disable=True)
     extra = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(cfg.model.call_kwargs).items()}
     t_loaded = time.time()
