@@ -1801,3 +1801,52 @@ def test_the_workers_get_the_mesh_the_launcher_resolved_in_place_of_auto():
         "mesh.tp=2",
     ]
     assert worker_overrides(given, cfg, SimpleNamespace(why=[])) == given  # nothing resolved: as given
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "chip"),
+    [("v6e-8", "v6e"), ("v5litepod-4", "v5e"), ("v5p-16", "v5p"), ("tpu7x-8", "v7x"), ("v9z-4", "v9z"), ("", "tpu")],
+)
+def test_a_tpu_vm_names_its_chip_from_its_accelerator_type(accelerator, chip, monkeypatch):
+    """TPU VMs name their slice in TPU_ACCELERATOR_TYPE (v6e-8, v5litepod-4, tpu7x-8); its memory comes from the
+    table of chips, not from the VM."""
+    from launcher.sizing.mesh_plan import _detect
+
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
+    assert _detect("tpu") == (chip, None)
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "found"),
+    [
+        ("NVIDIA H100 80GB HBM3, 81559\nNVIDIA H100 80GB HBM3, 81559", 0, ("h100", 81559 / 1024)),
+        ("NVIDIA H200, 143771", 0, ("h200", 143771 / 1024)),
+        ("NVIDIA A100-SXM4-80GB, 81920", 0, ("NVIDIA A100-SXM4-80GB", 80.0)),  # not in the table: its own name
+        ("NVIDIA H100, 81559", 9, ("cuda", None)),  # nvidia-smi failed
+        ("no devices", 0, ("cuda", None)),
+        ("", 0, ("cuda", None)),
+    ],
+)
+def test_a_cuda_host_names_its_gpu_and_memory_from_nvidia_smi(answer, code, found, tmp_path, monkeypatch):
+    """nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits: the first GPU's name and MiB; any
+    failure leaves the chip unknown. A script stands in for nvidia-smi, which this host lacks."""
+    from launcher.sizing.mesh_plan import _detect
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        f"#!/bin/sh\n[ \"$*\" = '--query-gpu=name,memory.total --format=csv,noheader,nounits' ] || exit 3\n"
+        f"printf '%s\\n' '{answer}'\nexit {code}\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert _detect("cuda") == found
+
+
+def test_a_cpu_host_is_its_own_chip_with_its_ram_and_an_unknown_device_is_unknown(monkeypatch):
+    from launcher.sizing.mesh_plan import _detect
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert _detect("cpu") == ("cpu", round(ram, 1))
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi at all
+    assert _detect("cuda") == ("cuda", None)
+    assert _detect("xla") == ("xla", None)
