@@ -1850,3 +1850,46 @@ def test_a_cpu_host_is_its_own_chip_with_its_ram_and_an_unknown_device_is_unknow
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi at all
     assert _detect("cuda") == ("cuda", None)
     assert _detect("xla") == ("xla", None)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "copies", "per_pixel"),
+    [
+        ([], 1, 1.8),  # the default: PNG bytes embedded in the Parquet only
+        (["output.image_files=true"], 2, 1.8),  # and as files
+        (["output.image_files=true", "output.embed_images=false"], 1, 1.8),  # the rows point at the files
+        (["output.webdataset=true", "output.format=jpeg"], 2, 0.35),
+        (["output.parquet=false", "output.webdataset=true", "output.format=webp"], 1, 0.25),
+        (["output.image_files=true", "output.webdataset=true"], 3, 1.8),
+    ],
+)
+def test_the_bytes_of_a_job_are_its_pixels_in_each_copy_it_writes(overrides, copies, per_pixel):
+    """space.py's estimate: bytes per pixel of the format (PNG 1.8, JPEG 0.35, WebP 0.25, measured on photographic
+    images) times each copy of the images the output keeps (files, embedded in the Parquet, WebDataset)."""
+    from launcher.config import load_config
+    from launcher.sizing.space import estimate_bytes
+
+    cfg = load_config("tiny", ["generate.height=128", "generate.width=256", *overrides])
+    assert estimate_bytes(cfg, 10) == int(10 * 128 * 256 * per_pixel * copies)
+
+
+def test_a_bookkeeping_write_that_the_output_refuses_is_said_and_any_other_error_raised(caplog):
+    """best_effort's words: True where the output refused the write (no room, no permission), with one warning
+    naming what and the error's first line; any other error is raised; False where it was written."""
+    import errno
+
+    from launcher.sizing.space import best_effort
+
+    def fail(error):
+        raise error
+
+    assert best_effort("run.json", lambda: None) is False
+    full = OSError(errno.ENOSPC, "No space left on device\nsecond line")
+    with caplog.at_level("WARNING", logger="launcher.sizing.space"):
+        assert best_effort("the ledger's index", fail, full) is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "could not write the ledger's index: [Errno 28] No space left on device"
+    ]
+    with pytest.raises(OSError) as e:
+        best_effort("run.json", fail, OSError(errno.ECONNRESET, "reset"))
+    assert e.value.errno == errno.ECONNRESET
