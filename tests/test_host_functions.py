@@ -1893,3 +1893,23 @@ def test_a_bookkeeping_write_that_the_output_refuses_is_said_and_any_other_error
     with pytest.raises(OSError) as e:
         best_effort("run.json", fail, OSError(errno.ECONNRESET, "reset"))
     assert e.value.errno == errno.ECONNRESET
+
+
+def test_tp_auto_only_takes_a_tp_that_divides_every_sharded_models_heads(monkeypatch):
+    """The transformer's 48 heads and the text encoder's 32 query and 8 key-value heads: with the text encoder
+    whole (43.5 GiB a rank), tp=5 would fit a 67 GiB chip first but divides no 48, so tp=6 is taken; over two hosts
+    of 8 chips tp=16 would fit a 16 GiB chip but 8 key-value heads do not split 16 ways."""
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    whole = ["model.shard_text_encoder=false", "mesh.dp=1", "mesh.tp=auto", "mesh.chip_memory_gib=67"]
+    plan, _ = flux2_plan(*whole)
+
+    def need(tp):  # the text encoder whole on each rank
+        r = flux2_rank_gib(tp)
+        total, _ = FLUX2_DEV_PARAMS["text_encoder"]
+        return r["transformer"] + total * 2 / GIB + r["vae"] + 2
+
+    assert plan.tp == 6 and plan.why[0].endswith(f"of 60.3 GiB usable; tp=4 would need {need(4):.1f} GiB")
+    assert need(5) <= 0.9 * 67 < need(4)  # the fixture reaches the case: tp=5 fits, and is refused for its heads
+    hosts = ["mesh.dp=1", "mesh.tp=auto", "mesh.nodes=2", "mesh.chips_per_host=8", "mesh.chip_memory_gib=16"]
+    assert flux2_refusal(*hosts).startswith("mesh.tp=auto: no tp up to 8 fits a v6e chip: at tp=8, ")
+    assert sum(flux2_rank_gib(16).values()) + 2 <= 0.9 * 16  # tp=16 fits but does not divide 8 kv heads

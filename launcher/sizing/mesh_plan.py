@@ -85,7 +85,7 @@ def plan_mesh(cfg, device: str, comps: dict | None, strict: bool = True) -> Mesh
     per_rank = None if comps is None else rank_bytes(cfg, comps, tp)
     plan = MeshPlan(dp, tp, chip, per_rank, why)
     if per_rank is not None and chip.memory_gib is not None:
-        need, have = need_gib(cfg, per_rank), usable_gib(cfg, chip, dp * tp // cfg.mesh.nodes)
+        need, have = need_gib(cfg, per_rank), usable_gib(chip, dp * tp // cfg.mesh.nodes)
         if need > have:
             better = _smallest_fitting_tp(cfg, device, chip, comps)  # ty: ignore[invalid-argument-type]
             hint = f"use mesh.tp={better} or mesh.tp=auto" if better and better != tp else _no_fit_hint(cfg)
@@ -144,7 +144,7 @@ def lora_bytes(cfg) -> int:
     return total
 
 
-def usable_gib(cfg, chip: Chip, procs_per_host: int) -> float:
+def usable_gib(chip: Chip, procs_per_host: int) -> float:
     total = chip.memory_gib * (1 - RESERVE)
     return total / procs_per_host if chip.name == "cpu" else total  # on cpu all processes share the host's RAM
 
@@ -213,7 +213,7 @@ def _candidates(cfg, chip: Chip, comps: dict) -> list[int]:
 def _fits(cfg, chip: Chip, comps: dict, tp: int) -> bool:
     # Processes per host only matter on cpu, where they share the RAM; dp=auto fills the host.
     procs = chip.per_host if cfg.mesh.dp == "auto" else cfg.mesh.dp * tp // cfg.mesh.nodes
-    return need_gib(cfg, rank_bytes(cfg, comps, tp)) <= usable_gib(cfg, chip, max(1, procs or 1))
+    return need_gib(cfg, rank_bytes(cfg, comps, tp)) <= usable_gib(chip, max(1, procs or 1))
 
 
 def _smallest_fitting_tp(cfg, device: str, chip: Chip, comps: dict) -> int | None:
@@ -229,14 +229,14 @@ def _auto_tp(cfg, device: str, chip: Chip, comps: dict | None) -> tuple[int, str
         top = max(_candidates(cfg, chip, comps))
         raise ConfigError(
             f"mesh.tp=auto: no tp up to {top} fits a {chip.name} chip: at tp={top}, "
-            f"{_need_text(cfg, rank_bytes(cfg, comps, top))} > {usable_gib(cfg, chip, 1):.1f} GiB usable; "
+            f"{_need_text(cfg, rank_bytes(cfg, comps, top))} > {usable_gib(chip, 1):.1f} GiB usable; "
             + _no_fit_hint(cfg)
         )
     below = [t for t in _candidates(cfg, chip, comps) if t < tp]
     smaller = f"; tp={below[-1]} would need {need_gib(cfg, rank_bytes(cfg, comps, below[-1])):.1f} GiB" if below else ""
     return tp, (
         f"the smallest tp that divides the sharded heads and fits: {need_gib(cfg, rank_bytes(cfg, comps, tp)):.1f} "
-        f"GiB per rank of {usable_gib(cfg, chip, 1):.1f} GiB usable{smaller}"
+        f"GiB per rank of {usable_gib(chip, 1):.1f} GiB usable{smaller}"
     )
 
 
