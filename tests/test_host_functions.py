@@ -1913,3 +1913,29 @@ def test_tp_auto_only_takes_a_tp_that_divides_every_sharded_models_heads(monkeyp
     hosts = ["mesh.dp=1", "mesh.tp=auto", "mesh.nodes=2", "mesh.chips_per_host=8", "mesh.chip_memory_gib=16"]
     assert flux2_refusal(*hosts).startswith("mesh.tp=auto: no tp up to 8 fits a v6e chip: at tp=8, ")
     assert sum(flux2_rank_gib(16).values()) + 2 <= 0.9 * 16  # tp=16 fits but does not divide 8 kv heads
+
+
+def test_parameter_counts_are_cached_by_architecture_where_the_guide_says(tmp_path, monkeypatch):
+    """docs/guide.md: counts are cached in ~/.cache/meshgen (MESHGEN_CACHE_DIR); the same architecture is counted
+    once whatever its config's bookkeeping keys (_name_or_path, architectures, torch_dtype) or their order."""
+    from launcher.models.checkpoints import PUBLISHED
+    from launcher.sizing import memory
+
+    monkeypatch.delenv("MESHGEN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert memory.cache_path() == tmp_path / "xdg" / "meshgen" / "param_counts.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert memory.cache_path() == tmp_path / "home" / ".cache" / "meshgen" / "param_counts.json"
+    monkeypatch.setenv("MESHGEN_CACHE_DIR", str(tmp_path / "counts"))
+    assert memory.cache_path() == tmp_path / "counts" / "param_counts.json"
+
+    library, cls, config = PUBLISHED["black-forest-labs/FLUX.2-dev"]["vae"]
+    first = memory.counts((library, cls, config))
+    assert len(json.loads(memory.cache_path().read_text())) == 1
+    noted = {"_name_or_path": "/x", "architectures": ["A"], "torch_dtype": "bfloat16", **config}
+    assert memory.counts((library, cls, dict(reversed(noted.items())))) == first
+    assert len(json.loads(memory.cache_path().read_text())) == 1  # the same architecture: no new count
+    other = {**config, "block_out_channels": [64, 128, 256, 256]}
+    assert memory.counts((library, cls, other)).total < first.total
+    assert len(json.loads(memory.cache_path().read_text())) == 2
