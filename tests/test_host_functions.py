@@ -1939,3 +1939,55 @@ def test_parameter_counts_are_cached_by_architecture_where_the_guide_says(tmp_pa
     other = {**config, "block_out_channels": [64, 128, 256, 256]}
     assert memory.counts((library, cls, other)).total < first.total
     assert len(json.loads(memory.cache_path().read_text())) == 2
+
+
+@pytest.mark.parametrize(("where", "at"), [({"file": "p.txt", "line": 3}, "p.txt, line 3"), ({"file": None}, "row 7")])
+def test_the_run_record_times_the_run_by_its_own_clock_and_names_the_first_row_set_aside(
+    tmp_path, monkeypatch, where, at
+):
+    """summary.py's words: durations from the monotonic clock; the start-up is launch to the first shard's start by
+    the workers' clock, held within the run; stages summed over this run's shards; a missing `truncated` counts 0;
+    the bad rows set aside are counted and the first named by file and line, or by its row."""
+    from launcher.host import summary
+    from launcher.ledger.states import Ledger
+    from launcher.ledger.store import Store
+    from launcher.plan.plan import Plan, ShardPlan
+
+    store = Store(tmp_path)
+    ours = {"status": "done", "rows": 2, "run_id": "now", "prompts_fingerprint": "fp"}
+    for i, st in enumerate(
+        [
+            {**ours, "started_at": 1_000_006.5, "stages": {"denoise": 0.1234, "decode": 0.5}, "truncated": None},
+            {**ours, "started_at": 1_000_004.25, "stages": {"denoise": 0.0007}, "truncated": 2},
+            {**ours, "status": "failed", "rows": 0, "started_at": 1_000_002.0, "truncated": 9},
+        ]
+    ):
+        store.write_json(f"state/shard-{i:05d}.json", st)
+    rejected = [{"position": 7, "reason": "its id is empty", "line": None, **where}, {"position": 9, "reason": "x"}]
+    plan = Plan([ShardPlan(i, 2, "fp", "pending") for i in range(3)], [0, 1, 2], [], rejected=rejected)
+    monkeypatch.setattr(summary.time, "monotonic", lambda: 110.0)  # 10 s after the launch's start=100
+    monkeypatch.setattr(summary.time, "time", lambda: 1_000_010.0)  # so the run began at 1,000,000 by the wall
+    lines, record = summary.summarize(store, Ledger(store), plan, "now", 100.0, 0, ["./launch.sh"])
+    assert record["start"] == time_iso(1_000_000.0) and record["end"] == time_iso(1_000_010.0)
+    assert (record["seconds"], record["images_per_s"], record["startup_s"]) == (10.0, 0.4, 2.0)
+    assert record["stages"] == {"denoise": 0.124, "decode": 0.5} and record["truncated_prompts"] == 2
+    assert (record["rejected"], record["rejected_file"]) == (2, "rejected/now.parquet")  # DESIGN's layout
+    assert lines[2] == (
+        "time per stage (s, summed over shards): decode 0.5, denoise 0.124; start-up 2.0 s (launch to the first "
+        "shard: imports, model load)"
+    )
+    assert lines[4] == (
+        f"2 bad rows set aside (dataset.bad_rows=skip), each with its reason in {tmp_path}/rejected/now.parquet; "
+        f"the first: {at}: its id is empty"
+    )
+    # A worker's clock ahead of the launcher's: the start-up is held within the run's own duration.
+    monkeypatch.setattr(summary.time, "time", lambda: 999_990.0)
+    assert summary.summarize(store, Ledger(store), plan, "now", 100.0, 0, ["x"])[1]["startup_s"] == 10.0
+    monkeypatch.setattr(summary.time, "time", lambda: 1_000_030.0)  # behind: never below 0
+    assert summary.summarize(store, Ledger(store), plan, "now", 100.0, 0, ["x"])[1]["startup_s"] == 0.0
+
+
+def time_iso(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
