@@ -384,3 +384,35 @@ def test_a_run_pushes_its_shards_as_they_are_done_and_the_rest_and_the_card_at_t
     pub.offer([0])
     assert pub.finish() is None and pub.sent == set()
     assert (mended / "data" / "shard-00000.parquet").exists() and (mended / "data" / "shard-00001.parquet").exists()
+
+
+def test_the_publish_tools_help_names_its_arguments_and_its_image_flags_exclude_each_other(capsys, monkeypatch):
+    """DESIGN: `python -m tools.publish OUTPUT_DIR TARGET`; docs/operations.md: image files unless --no-images."""
+    from launcher.publish import push
+
+    with pytest.raises(SystemExit) as e:
+        push.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert e.value.code == 0
+    assert out.startswith("usage: python -m tools.publish [-h] [--images | --no-images] output_dir target")
+    for said in (
+        "`python -m tools.publish OUTPUT_DIR TARGET`: 0 all pushed; 2 a refusal before anything was sent",
+        "output_dir the run's output.dir: a local folder, s3:// or gs://",
+        "target hf://datasets/ORG/NAME[@REVISION], s3://BUCKET/PATH or gs://BUCKET/PATH",
+        "--images image files (default)",
+        "--no-images not the image files",
+    ):
+        assert said in out, said
+    with pytest.raises(SystemExit) as e:
+        push.main(["out", "s3://b/p", "--images", "--no-images"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    asked = []
+    sent = {"files": 0, "shards": 0, "bytes": 0, "card": False}
+    monkeypatch.setattr(push, "publish", lambda out, target, images, say: asked.append(images) or sent)
+    for flags, images in (([], None), (["--images"], True), (["--no-images"], False)):
+        assert push.main(["out", "s3://b/p", *flags]) == 0
+        assert asked.pop() is images
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == "s3://b/p: sent 0 files of 0 shards (0 bytes) (the card was up to date)"
+    )
