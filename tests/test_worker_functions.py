@@ -553,7 +553,7 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
 
     out = load_config("tiny", ["output.row_group_size=1", "output.image_files=true"]).output
     recorded, lost = [], []
-    taken = {3}
+    taken = {3, 4}
     writer = BackgroundWriter(Store(tmp_path), out, 1, recorded.append, lambda i: i not in taken, lost.append)
     writer.add(2, "shard-00002", samples(["a", "b"], 0, first=0))
     bad = samples(["c"], 1, first=2)
@@ -563,12 +563,14 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     writer.submit(ShardJob(2, "shard-00002", [], {"status": "done", "rows": 3, "seconds": 1.0}, prev=prev))
     writer.add(3, "shard-00003", samples(["x"], 0, first=0))
     writer.submit(ShardJob(3, "shard-00003", [], {"status": "done", "rows": 1, "seconds": 1.0}))
+    # a taken-over shard whose samples come with its end, not batch by batch: none of them stays held either
+    writer.submit(ShardJob(4, "shard-00004", samples(["y", "z"], 0, first=0), {"status": "done", "rows": 2}))
     with caplog.at_level("WARNING"):
         writer.close()
     state = json.loads((tmp_path / "state" / "shard-00002.json").read_text())
     assert state["status"] == "failed" and state["error_class"] == "ArrowInvalid" and state["attempts"] == 3
     assert state["error"].startswith("ArrowInvalid while writing: ") and "Traceback" in state["traceback"]
-    assert isinstance(state["finished_at"], float) and writer.failed == [2] and recorded == [2] and lost == [3]
+    assert isinstance(state["finished_at"], float) and writer.failed == [2] and recorded == [2] and lost == [3, 4]
     assert "shard 3: another run took its claim over" in caplog.text and "shard 2 failed: ArrowInvalid" in caplog.text
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
         "state/shard-00002.json"
