@@ -1991,3 +1991,22 @@ def time_iso(t: float) -> str:
     import time
 
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def test_the_run_record_names_the_code_by_git_describe_and_a_copy_outside_git_by_nothing(tmp_path, monkeypatch):
+    """The record's `code`: `git describe --always --dirty` of the checkout that ran (a commit, `-dirty` where it has
+    changes); None where the code is not in a git checkout (an installed copy)."""
+    import subprocess
+
+    from conftest import REPO
+
+    from launcher.host import summary
+
+    described = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert described and summary.code_version() == described
+    copy = tmp_path / "site-packages" / "launcher" / "host"
+    copy.mkdir(parents=True)
+    monkeypatch.setattr(summary, "__file__", str(copy / "summary.py"))
+    assert summary.code_version() is None
