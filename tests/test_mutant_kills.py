@@ -2315,8 +2315,12 @@ def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
     store.write_bytes("data/shard-00001.parquet", (tmp_path / "data" / "shard-00000.parquet").read_bytes())
     store.write_json(state_rel(3), {**states[0], "rows": 2})
     store.write_bytes("data/shard-00003.parquet", (tmp_path / "data" / "shard-00000.parquet").read_bytes())
-    front = yaml.safe_load(card.card_text(store).split("---\n")[1])
+    text = card.card_text(store)
+    front = yaml.safe_load(text.split("---\n")[1])
     assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/*.parquet"}]  # all done: a glob
+    assert "not complete" not in text  # every shard done
+    assert 'ds = load_dataset("path/to/this/folder", split="train")' in text  # no repo: the folder's own line
+    assert text.split("---\n")[1].splitlines()[0] == f"license: {front['license']}"  # the Hub's order, not sorted
     assert [card.size_category(n) for n in (999, 1000, 10**8, 10**9)] == ["n<1K", "1K<n<10K", "100M<n<1B", "1B<n<10B"]
     assert card.hub_license("Apache-2.0") == {"license": "apache-2.0"}
     link = "https://x.org/LICENSE.md"
