@@ -2010,3 +2010,26 @@ def test_the_run_record_names_the_code_by_git_describe_and_a_copy_outside_git_by
     copy.mkdir(parents=True)
     monkeypatch.setattr(summary, "__file__", str(copy / "summary.py"))
     assert summary.code_version() is None
+
+
+def test_h_is_help_cfg_job_prints_the_yaml_once_and_a_tpu_dry_run_names_each_hosts_processes(
+    launcher_main, capsys, tmp_path, monkeypatch
+):
+    """`-h` is `--help`; `--cfg job` prints the composed YAML as it is (no blank line after); a dry run of a job
+    over 2 TPU hosts of dp=2 x tp=8 prints TorchTPU's launch line with nproc_per_node=8 (processes per host)."""
+    from conftest import REPO
+
+    assert launcher_main(["-h"]) == 0 and "conf=" in capsys.readouterr().out
+    assert launcher_main(["--cfg", "job", "conf=tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and not out.endswith("\n\n")
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    prompts = f"dataset.path={REPO / 'conf' / 'prompts' / 'tiny.txt'}"
+    args = ["--dry-run", "conf=flux2_tp", prompts, "mesh.nodes=2", "mesh.dp=2", "mesh.tp=8", f"output.dir={tmp_path}"]
+    assert launcher_main(args) == 0, capsys.readouterr().err[-2000:]
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        'eval "$(python -m torch.tpu.distributed)"  # TorchTPU launch env: set_tpu_launch_env(nnodes=2, '
+        "nproc_per_node=8)"
+    ) in lines
+    assert any(ln.startswith("torchrun ") and "--nproc-per-node=8" in ln for ln in lines), lines
