@@ -694,3 +694,15 @@ def test_fused_weights_are_bitwise_diffusers_in_bfloat16(family, loras, monkeypa
             assert torch.equal(a[k], b[k]), f"{part}.{k}"
     changed = [k for k, v in ours.transformer.state_dict().items() if not torch.equal(v, base[k])]
     assert len(changed) == len(FAMILY[family][2]["transformer"])
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux1", "sd3", "qwenimage", "flux2_klein"])
+def test_transformers_has_a_tp_plan_for_the_text_encoder_exactly_where_its_family_says(family, tiny_family, tiny_model):
+    """Each family module declares whether its text encoder shards (tp_text_encoder); the worker asks transformers
+    (the config's base_model_tp_plan, or the class's _tp_plan) before it shards one: the two must agree."""
+    from launcher.models import families
+    from launcher.worker.pipeline import _cls, component_classes, text_encoder_has_tp_plan
+
+    path = str(tiny_model if family == "flux2" else tiny_family(family))
+    fam = next(f for f in families() if f.name == family)
+    assert text_encoder_has_tp_plan(path, _cls(component_classes(path)["text_encoder"])) is fam.tp_text_encoder
