@@ -1187,8 +1187,9 @@ def model_hub(tiny_model, tmp_path, monkeypatch):
     hub = FakeHub()
     hub.add_folder(REPO, tiny_model, extra={"all-in-one.safetensors": b"\0" * 1024})
     hub.add_folder(GATED, tiny_model, gated=True)
-    for name, weights in (("clip", "model.safetensors"), ("old", "pytorch_model.bin")):
-        files = {"config.json": b"{}", "vocab.txt": b"a", weights: b"w", "README.md": b"#", "tf_model.h5": b"h"}
+    for name, weights in (("clip", ("model.safetensors", "pytorch_model.bin")), ("old", ("pytorch_model.bin",))):
+        files = {"config.json": b"{}", "vocab.txt": b"a", "README.md": b"#", "tf_model.h5": b"h"}
+        files |= dict.fromkeys(weights, b"w")  # the clip repo has both formats: only its safetensors are wanted
         hub.repos[f"org/{name}"] = type(hub.repos[REPO])(files)
     server = serve(hub)
     template = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, hub.url, 1)
@@ -1273,11 +1274,14 @@ def test_a_hub_that_never_answers_is_one_line_within_its_wait_and_a_busy_one_is_
     start = time.monotonic()
     with pytest.raises(ConfigError) as e:
         hub_answers("org/m", "quality.clip_model")
-    assert time.monotonic() - start < 10 and paths == ["/api/models/org/m"]
+    assert time.monotonic() - start < 30 and "/api/models/org/m" in paths  # (and whatever else the library asks)
     assert str(e.value) == (
         f"quality.clip_model org/m: the hub at {url} did not answer within 1 s (ReadTimeout); check the network and "
         "HF_ENDPOINT (HF_HUB_ETAG_TIMEOUT sets the wait), or download it elsewhere (hf download org/m) into HF_HOME"
     )
+    with pytest.raises(ConfigError) as e:  # through the model's download: named as the key it came from
+        ensure_downloaded("org/m")
+    assert str(e.value).startswith(f"model.path org/m: the hub at {url} did not answer within 1 s (")
     codes = []
 
     class Busy(BaseHTTPRequestHandler):
@@ -1312,7 +1316,7 @@ def test_a_hub_that_never_answers_is_one_line_within_its_wait_and_a_busy_one_is_
         server.shutdown()
 
 
-def test_quality_models_are_fetched_once_with_only_what_from_pretrained_loads(model_hub, tmp_path):
+def test_quality_models_are_fetched_once_with_only_what_from_pretrained_loads(model_hub, tmp_path, monkeypatch):
     """quality_models.py's words: configs, tokenizer files and safetensors weights; an older repo's PyTorch pickle
     where it has no safetensors; only for the scores that are on; a repo that cannot be downloaded is one line."""
     from launcher.checks.quality_models import fetch_quality_models
@@ -1326,8 +1330,14 @@ def test_quality_models_are_fetched_once_with_only_what_from_pretrained_loads(mo
     fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": str(tmp_path)}}))  # a folder: nothing
     with pytest.raises(ConfigError) as e:
         fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": "org/none"}}))
-    assert str(e.value).startswith("quality.clip_model=org/none cannot be downloaded (")
-    assert str(e.value).endswith("); check the id and your HF_TOKEN") and "\n" not in str(e.value)
+    line = str(e.value)
+    assert line.startswith("quality.clip_model=org/none cannot be downloaded (401 Client Error") and "\n" not in line
+    assert line.endswith("); check the id and your HF_TOKEN") and len(line) <= len(line.split(" (", 1)[0]) + 240
+    online(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: from_pretrained says what is missing, nothing is asked
+    before = len(model_hub.log)
+    fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": "org/other"}}))
+    assert model_hub.log[before:] == []
 
 
 # --- The model checks (checks/model_checks.py) over the published configs and a local pipeline folder.
