@@ -55,14 +55,17 @@ def verdicts(room: str, mutants: Path = REPO / "mutants") -> dict[str, str]:
     return found
 
 
-def unkilled_by_module(room: str, mutants: Path = REPO / "mutants") -> dict[str, list[str]]:
+def module_of(mutant: str) -> str:
+    """The dotted module a mutant's name starts with: `<module>.x_<function>` or `<module>.xǁClassǁmethod`."""
+    return mutant.split("__mutmut_")[0].rsplit(".", 1)[0]
+
+
+def unkilled_by_module(room: str) -> dict[str, list[str]]:
     """The room's survived and no-test mutants, by the mutated file (relative to mutants/) that holds them."""
-    out = {}
-    for meta in sorted((mutants / ROOMS[room]).glob("*.py.meta")):
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        names = [n for n, code in codes.items() if STATUS.get(code) in ("survived", "no tests")]
-        if names:
-            out[str(meta.relative_to(mutants))[: -len(".meta")]] = names
+    out: dict[str, list[str]] = {}
+    for name, verdict in verdicts(room).items():
+        if verdict in ("survived", "no tests"):
+            out.setdefault(module_of(name).replace(".", "/") + ".py", []).append(name)
     return out
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutants import REPO, ROOMS, server_pool, verdicts  # noqa: E402
+from mutants import REPO, ROOMS, module_of, server_pool, verdicts  # noqa: E402
 
 JOB = "tests/test_job.py::test_tiny_job_at_tp2_writes_complete_shards"
 FAULTS = "tests/test_faults.py::test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard"
@@ -53,7 +53,7 @@ CONTROL = "meshgen-e2e-control__mutmut_0"  # a name no mutant has: every process
 
 
 def tests_of(mutant: str) -> list[str]:
-    module = mutant.split("__mutmut_")[0].rsplit(".", 1)[0]  # <module>.x_<function> or <module>.xǁClassǁmethod
+    module = module_of(mutant)
     prefixes = [p for p in E2E if module == p or module.startswith(p + ".")]
     return E2E[max(prefixes, key=len)] if prefixes else []
 
