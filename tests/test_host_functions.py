@@ -1354,17 +1354,23 @@ def empty_cache(tmp_path, monkeypatch):
     online(monkeypatch)
 
 
-def model_refusal(conf: str, *overrides: str) -> str | None:
-    """check_model's line for the job, or None where it passes."""
-    from launcher.checks.model_checks import check_model, locate
+def refusal(check, conf: str, *overrides: str) -> str | None:
+    """`check(cfg, model)`'s line for the job (its model located as the preflight locates it), or None."""
+    from launcher.checks.model_checks import locate
     from launcher.config import load_config
 
     cfg = load_config(conf, list(overrides))
     try:
-        check_model(cfg, locate(cfg))
+        check(cfg, locate(cfg))
     except ConfigError as e:
         return str(e)
     return None
+
+
+def model_refusal(conf: str, *overrides: str) -> str | None:
+    from launcher.checks.model_checks import check_model
+
+    return refusal(check_model, conf, *overrides)
 
 
 def test_tp_must_divide_the_heads_of_each_sharded_model_of_flux2_dev(empty_cache):
@@ -1617,16 +1623,9 @@ def test_cache_options_diffusers_refuses_are_one_line_with_its_first_line(empty_
 
 
 def sweep_refusal(conf: str, *overrides: str) -> str | None:
-    from launcher.checks.model_checks import locate
     from launcher.checks.sweep_checks import check_sweep_model
-    from launcher.config import load_config
 
-    cfg = load_config(conf, list(overrides))
-    try:
-        check_sweep_model(cfg, locate(cfg))
-    except ConfigError as e:
-        return str(e)
-    return None
+    return refusal(check_sweep_model, conf, *overrides)
 
 
 SWEEP_REFUSED = {  # FLUX.2-dev's sizes are multiples of 16, at most 4 * 2**20 pixels; it has no true CFG
