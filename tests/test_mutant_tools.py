@@ -9,8 +9,8 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from mutant_kinds import kinds  # noqa: E402
 
-MUTATED = """
-def x_f__mutmut_orig(x):
+FUNCTION = """
+def x_f__mutmut_NAME(x):
     if x < 0:
         raise ValueError(f"x={x} must be at least 0")
     logger.info(
@@ -18,51 +18,26 @@ def x_f__mutmut_orig(x):
         x,
     )
     return x + 1
-
-
-def x_f__mutmut_1(x):
-    if x < 0:
-        raise ValueError(f"x={x} must be at least 0")
-    logger.info(
-        "XXx is %dXX",
-        x,
-    )
-    return x + 1
-
-
-def x_f__mutmut_2(x):
-    if x < 0:
-        raise ValueError(None)
-    logger.info(
-        "x is %d",
-        x,
-    )
-    return x + 1
-
-
-def x_f__mutmut_3(x):
-    if x <= 0:
-        raise ValueError(f"x={x} must be at least 0")
-    logger.info(
-        "x is %d",
-        x,
-    )
-    return x + 1
-
-
-def x_f__mutmut_4(x):
-    if x < 0:
-        raise ValueError(f"x={x} must be at least 0")
-    logger.info(
-        "x is %d",
-        x,
-    )
-    return x - 1
 """
+MUTANTS = {  # mutant n: (the original's text, what mutant n has in its place)
+    1: ('"x is %d"', '"XXx is %dXX"'),
+    2: ('ValueError(f"x={x} must be at least 0")', "ValueError(None)"),
+    3: ("x < 0", "x <= 0"),
+    4: ("x + 1", "x - 1"),
+}
+
+
+def mutated_file() -> str:
+    """The original, then each mutant: each a copy of it with one change, as mutmut writes a module."""
+    copies = [FUNCTION.replace("NAME", "orig")]
+    for n, (old, new) in MUTANTS.items():
+        assert FUNCTION.count(old) == 1, old
+        copies.append(FUNCTION.replace("NAME", str(n)).replace(old, new))
+    return "\n".join(copies)
 
 
 def test_each_mutant_is_the_kind_of_the_statement_its_change_is_in(tmp_path):
-    (tmp_path / "m.py").write_text(MUTATED)
+    (tmp_path / "m.py").write_text(mutated_file())
     names = [f"pkg.m.x_f__mutmut_{n}" for n in (1, 2, 3, 4, 9)]
     assert kinds(tmp_path, "m.py", names) == {
         "pkg.m.x_f__mutmut_1": "log text",  # a line inside a multi-line logging call
