@@ -1177,11 +1177,11 @@ REPO, GATED = "meshgen-test/tiny-flux2", "meshgen-test/gated-flux2"
 
 
 @pytest.fixture
-def model_hub(tiny_model, tmp_path, monkeypatch):
+def model_hub(tiny_model, empty_cache, monkeypatch):
     """The fake Hub (tests/fake_hub.py) serving the tiny pipeline plus a single-file checkpoint it does not load,
-    a gated copy, and two quality-model repos (one with safetensors, one with its PyTorch pickle only); this
+    a gated copy, and two quality-model repos (one with both weight formats, one with its PyTorch pickle only); this
     process's huggingface_hub pointed at it with an empty cache, no token, a 2 s wait."""
-    from fake_hub import FakeHub, serve
+    from fake_hub import FakeHub, Repo, serve
     from huggingface_hub import constants, hf_api
 
     hub = FakeHub()
@@ -1190,16 +1190,14 @@ def model_hub(tiny_model, tmp_path, monkeypatch):
     for name, weights in (("clip", ("model.safetensors", "pytorch_model.bin")), ("old", ("pytorch_model.bin",))):
         files = {"config.json": b"{}", "vocab.txt": b"a", "README.md": b"#", "tf_model.h5": b"h"}
         files |= dict.fromkeys(weights, b"w")  # the clip repo has both formats: only its safetensors are wanted
-        hub.repos[f"org/{name}"] = type(hub.repos[REPO])(files)
+        hub.repos[f"org/{name}"] = Repo(files)
     server = serve(hub)
     template = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, hub.url, 1)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)  # file URLs: set at import
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(hf_api.api, "endpoint", hub.url)  # the module's HfApi, which diffusers' download asks
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 2)
     monkeypatch.setenv("HF_TOKEN", "")
-    online(monkeypatch)
     yield hub
     server.shutdown()
 
@@ -1223,7 +1221,7 @@ def test_a_hub_id_is_fetched_once_with_the_files_its_pipeline_loads_and_a_comple
     gets = model_hub.requested("GET")
     first = next(i for i, p in enumerate(gets) if "/resolve/" in p)
     assert gets[first].endswith("/model_index.json") and f"/api/models/{REPO}" in gets[:first]  # info, then it
-    snapshot = next((tmp_path / "hub").glob("models--meshgen-test--tiny-flux2/snapshots/*"))
+    snapshot = next((tmp_path / "hf-cache").glob("models--meshgen-test--tiny-flux2/snapshots/*"))
     assert (snapshot / "vae" / "diffusion_pytorch_model.safetensors").is_file()
     before = len(model_hub.log)
     ensure_downloaded(REPO)  # complete: nothing asked
@@ -1333,7 +1331,6 @@ def test_quality_models_are_fetched_once_with_only_what_from_pretrained_loads(mo
     line = str(e.value)
     assert line.startswith("quality.clip_model=org/none cannot be downloaded (401 Client Error") and "\n" not in line
     assert line.endswith("); check the id and your HF_TOKEN") and len(line) <= len(line.split(" (", 1)[0]) + 240
-    online(monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: from_pretrained says what is missing, nothing is asked
     before = len(model_hub.log)
     fetch_quality_models(OmegaConf.create({"quality": q | {"clip_model": "org/other"}}))
@@ -1350,7 +1347,7 @@ def empty_cache(tmp_path, monkeypatch):
     """No hub id is in this process's Hugging Face cache, and the network may be used."""
     from huggingface_hub import constants
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     online(monkeypatch)
 
 
