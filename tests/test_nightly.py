@@ -969,3 +969,57 @@ def test_ids_whose_hashes_collide_are_still_told_apart(tmp_path, monkeypatch):
     write(src, [{**ROWS[0], "prompt": "an edited prompt"}, *ROWS[1:], *MORE])
     with pytest.raises(ConfigError, match=r"^shards \[0\] are done but their prompts changed since \(samples p000\)"):
         nights.plan()
+
+
+def test_a_one_bit_edit_anywhere_in_a_string_or_its_length_changes_its_hash():
+    """An edited row is found by its hash alone (launcher/ids/rowhash.py): strings of lengths around each word and
+    the 256 bytes hashed word by word, each with every bit of every byte flipped in turn, or one byte longer,
+    all hash apart; and a string hashes alike at any place of a sliced column (a reader's batch is a slice)."""
+    from launcher.ids.rowhash import row_hashes
+
+    def hashes_of(prompts: pa.Array) -> list:
+        return row_hashes(pa.RecordBatch.from_arrays([prompts], ["prompt"])).tolist()
+
+    texts = set()
+    for n in (0, 1, 7, 8, 9, 15, 16, 17, 63, 255, 256, 257, 300):
+        base = "".join(chr(0x41 + (i * 7) % 26) for i in range(n))
+        texts |= {base, base + "\0"}
+        texts |= {base[:i] + chr(ord(base[i]) ^ (1 << b)) + base[i + 1 :] for i in range(n) for b in range(7)}
+    texts = sorted(texts)
+    hashes = hashes_of(pa.array(texts, pa.string()))
+    assert len(set(hashes)) == len(texts)
+    padded = pa.array(["pad", *texts, "pad"], pa.string()).slice(1, len(texts))
+    assert hashes_of(padded) == hashes
+    assert hashes_of(pa.array(["x", ""]).slice(1)) == hashes_of(pa.array([""]))
+    longs = ["y" * 260, "z" * 300]  # two strings past 256 bytes: the second's hash must not depend on the first
+    assert hashes_of(pa.array(longs))[1] == hashes_of(pa.array(longs[1:]))[0]
+
+
+@pytest.mark.parametrize(
+    "values, other",
+    [
+        (pa.array(["a", "bb", None], pa.large_string()), "cc"),
+        (pa.array([1, 2, None], pa.int32()), 3),
+        (pa.array([0.5, 1.5, None], pa.float32()), 2.5),
+        (pa.array([True, False, None]), True),
+        (pa.array([[1], [2, 3], None], pa.list_(pa.int64())), [2, 4]),
+        (pa.array([{"k": 1}, {"k": 2}, None], pa.struct([("k", pa.int64())])), {"k": 3}),
+    ],
+    ids=lambda v: str(v.type) if isinstance(v, pa.Array) else "",
+)
+def test_a_kept_column_of_any_type_hashes_each_rows_value_whatever_its_batch(values, other):
+    """A kept column is part of what a row contributes (DESIGN `dataset.keep_columns`): an edit of its value is an
+    edit of the row, a value moved to another column too, and a row hashes alike alone or in any batch."""
+    from launcher.ids.rowhash import row_hashes
+
+    def batch(vals, name="extra"):
+        return pa.RecordBatch.from_arrays([pa.array([f"id{i}" for i in range(len(vals))]), vals], ["id", name])
+
+    whole = row_hashes(batch(values))
+    for k in range(len(values)):
+        alone = pa.RecordBatch.from_arrays([pa.array([f"id{k}"]), values.slice(k, 1)], ["id", "extra"])
+        assert row_hashes(alone)[0] == whole[k], k
+    edited = pa.concat_arrays([values.slice(0, 1), pa.array([other], values.type), values.slice(2)])
+    assert row_hashes(batch(edited)).tolist()[1] != whole[1]
+    assert row_hashes(batch(edited)).tolist()[0::2] == whole.tolist()[0::2]
+    assert row_hashes(batch(values, "other")).tolist()[:2] != whole.tolist()[:2]
