@@ -706,3 +706,67 @@ def test_transformers_has_a_tp_plan_for_the_text_encoder_exactly_where_its_famil
     path = str(tiny_model if family == "flux2" else tiny_family(family))
     fam = next(f for f in families() if f.name == family)
     assert text_encoder_has_tp_plan(path, _cls(component_classes(path)["text_encoder"])) is fam.tp_text_encoder
+
+
+def _pipeline_class(model) -> str:
+    return json.loads((model / "model_index.json").read_text())["_class_name"]
+
+
+@pytest.mark.parametrize("family", ["flux2", "flux1"])
+def test_factors_are_the_files_a_and_b_per_module_with_peft_scaling(family, loras):
+    """launcher/worker/lora.py: each module's factors A (r x in) and B (out x r) as the file holds them, in the
+    transformer and the text encoder alike, and PEFT's scaling alpha / r (FLUX.1's tiny LoRA carries alpha 2 over
+    rank 4; FLUX.2's none: alpha = r)."""
+    from safetensors.torch import load_file
+
+    from launcher.worker.lora import factors
+
+    model, files = loras(family)
+    modules, alpha = FAMILY[family][2], FAMILY[family][3]
+    got = factors(_pipeline_class(model), files[0], str(model))
+    assert {c: sorted(m) for c, m in got.items()} == {c: sorted(names) for c, names in modules.items()}
+    sd = load_file(str(files[0]))
+    for comp, names in modules.items():
+        for n in names:
+            f = got[comp][n]
+            assert torch.equal(f.A, sd[f"{comp}.{n}.lora_A.weight"]), n
+            assert torch.equal(f.B, sd[f"{comp}.{n}.lora_B.weight"]), n
+            assert f.scaling == (alpha / 4 if alpha else 1.0) and not f.fan_in_fan_out, n
+
+
+def test_factors_refuse_what_would_fuse_only_in_part(loras, tmp_path):
+    """A key that matches no layer, one of a component the pipeline lacks, a component none of whose keys match
+    (the others still judged), DoRA: each a LoraError naming it, never a LoRA fused in part."""
+    from safetensors.torch import load_file, save_file
+
+    from launcher.worker.lora import LoraError, factors
+
+    model, files = loras("flux2")
+    sd = load_file(str(files[0]))
+    a, b = torch.zeros(4, 8), torch.zeros(8, 4)
+
+    def refusal(state: dict) -> str:
+        path = tmp_path / "l.safetensors"
+        save_file(state, str(path))
+        with pytest.raises(LoraError) as e:
+            factors(_pipeline_class(model), path, str(model))
+        return str(e.value)
+
+    extra = {"transformer.nothing_here.lora_A.weight": a, "transformer.nothing_here.lora_B.weight": b}
+    assert refusal(sd | extra) == (
+        f"2 of its {len(sd) + 2} keys match no layer of the model (transformer.nothing_here.lora_A.weight, "
+        "transformer.nothing_here.lora_B.weight); a misspelt prefix fuses the LoRA only in part"
+    )
+    other = {"unet.down.lora_A.weight": a, "unet.down.lora_B.weight": b}
+    assert refusal(sd | other).startswith(f"2 of its {len(sd) + 2} keys match no layer of the model (unet.down.")
+    encoder_only = {k: v for k, v in sd.items() if k.startswith("text_encoder.")}
+    assert refusal(extra | encoder_only).startswith(f"2 of its {len(encoder_only) + 2} keys match no layer")
+    assert refusal(extra) == "none of its keys matches a module of the model (components it names: transformer)"
+    key = "transformer.transformer_blocks.0.attn.to_q"
+    dora = sd | {f"{key}.lora_magnitude_vector": torch.ones(sd[f"{key}.lora_B.weight"].shape[0])}
+    why = refusal(dora)  # diffusers turns DoRA on for the whole adapter: the first of its layers is named
+    assert (
+        why.startswith("transformer.")
+        and why.split(" ", 1)[0].removeprefix("transformer.") in FAMILY["flux2"][2]["transformer"]
+    )
+    assert why.endswith(" is not a plain LoRA on a linear layer (DoRA, lora bias or another layer)")
