@@ -590,6 +590,51 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
 
 
+def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path):
+    """launcher/writer/bgwriter.py, a recovery path: the writer process dies (out of memory, say) while a shard's
+    batches are handed over: that shard is recorded failed with the error that broke it, and a new writer process
+    writes the next shard whole. A failed shard whose files cannot be removed says so in its error."""
+    import psutil
+    import pyarrow.parquet as pq
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
+
+    class Stuck(Store):  # removes state files, not a shard's data
+        def delete(self, rel: str) -> None:
+            if not rel.startswith("state/"):
+                raise OSError(f"cannot remove {rel}")
+            super().delete(rel)
+
+    out, recorded = load_config("tiny").output, []
+    writer = BackgroundWriter(Stuck(tmp_path), out, 1, recorded.append)
+
+    def writers() -> list:  # the writer process (multiprocessing's resource tracker is a child too)
+        return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+
+    first = writers()
+    assert len(first) == 1
+    first[0].kill()
+    first[0].wait(30)
+    writer.add(0, "shard-00000", samples(["a", "b"], 0, first=0))
+    writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
+    writer.add(1, "shard-00001", samples(["c"], 1, first=0))
+    writer.submit(
+        ShardJob(1, "shard-00001", samples(["d"], 2, first=1), {"status": "done", "rows": 2, "seconds": 1.0}, {"d": 1})
+    )
+    writer.close()
+    failed = json.loads((tmp_path / "state" / "shard-00000.json").read_text())
+    assert failed["status"] == "failed" and failed["error_class"] == "BrokenProcessPool", failed
+    assert failed["error"].startswith("BrokenProcessPool while writing: ")
+    assert failed["error"].endswith("; its files could not be removed: OSError: cannot remove data/shard-00000.parquet")
+    done = json.loads((tmp_path / "state" / "shard-00001.json").read_text())
+    assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
+    assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d"]
+    assert not writers()
+
+
 def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_model):
     """At tp=1 nothing is sharded: load_pipeline is diffusers' own from_pretrained, in model.dtype, on the device,
     its progress bars off (the launcher's bar is the terminal's)."""
