@@ -90,10 +90,24 @@ def pytest_configure(config) -> None:
     worth judged "timeout" after the first). Each of those processes gets a lock of its own."""
     _cache_compositions()
     _libraries_log_to_the_current_stderr()
+    _counts_and_hashes_cached_in_a_folder_of_this_run()
     if os.environ.get("MUTANT_UNDER_TEST"):
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())
+
+
+def _counts_and_hashes_cached_in_a_folder_of_this_run() -> None:
+    """The launcher caches parameter counts and file hashes in ~/.cache/meshgen (launcher/sizing/memory.py): the
+    suite's go to a folder of its own, as every process it starts inherits, so no test reads what an earlier run
+    (or a mutant's test, writing under a mutated name) left in the user's cache, and none writes there."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "MESHGEN_CACHE_DIR" not in os.environ:
+        os.environ["MESHGEN_CACHE_DIR"] = folder = tempfile.mkdtemp(prefix="meshgen-test-cache-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 class _CurrentStderr:
