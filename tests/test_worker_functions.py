@@ -590,10 +590,11 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
 
 
-def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path):
+def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path, caplog):
     """launcher/writer/bgwriter.py, a recovery path: the writer process dies (out of memory, say) while a shard's
     batches are handed over: that shard is recorded failed with the error that broke it, and a new writer process
-    writes the next shard whole. A failed shard whose files cannot be removed says so in its error."""
+    writes the next shard whole. A failed shard whose files cannot be removed says so in its error. Each shard's
+    end is one event line as docs/guide.md shows them (`shard 3 done: 256 images in 412.0 s`, `shard 4 failed: ...`)."""
     import psutil
     import pyarrow.parquet as pq
     from test_runtime_bounds import _samples as samples
@@ -624,7 +625,8 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     writer.submit(
         ShardJob(1, "shard-00001", samples(["d"], 2, first=1), {"status": "done", "rows": 2, "seconds": 1.0}, {"d": 1})
     )
-    writer.close()
+    with caplog.at_level("INFO", logger="meshgen.shards"):
+        writer.close()
     failed = json.loads((tmp_path / "state" / "shard-00000.json").read_text())
     assert failed["status"] == "failed" and failed["error_class"] == "BrokenProcessPool", failed
     assert failed["error"].startswith("BrokenProcessPool while writing: ")
@@ -633,6 +635,8 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
     assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d"]
     assert not writers()
+    events = [r.getMessage() for r in caplog.records if r.name == "meshgen.shards"]
+    assert events == [f"shard 0 failed: {failed['error']}", "shard 1 done: 2 images in 1.0 s"]
 
 
 def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_model):
