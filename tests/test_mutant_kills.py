@@ -2082,22 +2082,29 @@ def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming
     }.get(key, "an integer of 1 or more")
 
 
-def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixed_metadata():
-    """launcher/writer/writer.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
+def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixed_metadata(tmp_path):
+    """launcher/writer/stream.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
     as file names, mode 644 and time 0 so that the same samples give the same bytes; the JSON holds the row's
     columns but the image."""
     import tarfile
 
-    from launcher.writer.writer import webdataset_tar
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
 
     def sample(i, pid):
         return {"id": i, "prompt_id": pid, "prompt": f"p {i}", "seed": 7, "height": 32, "width": 48,
                 "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m",
                 "image": {"bytes": b"x", "path": None}, "encoded": f"png-{i}".encode()}  # fmt: skip
 
-    samples = [sample("a-1", "a"), sample("a/0", "a")]
-    data = webdataset_tar(samples, "png")
-    assert data == webdataset_tar(samples, "png")
+    def webdataset_tar(folder) -> bytes:
+        stream = ShardStream(Store(folder), "shard-00000", load_config("tiny", ["output.webdataset=true"]).output)
+        stream.add([sample("a-1", "a"), sample("a/0", "a")])
+        stream.commit()
+        return (folder / "webdataset" / "shard-00000.tar").read_bytes()
+
+    data = webdataset_tar(tmp_path / "one")
+    assert data == webdataset_tar(tmp_path / "two")
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = tar.getmembers()
         assert [m.name for m in members] == ["a-1.png", "a-1.json", "a_0.png", "a_0.json"]

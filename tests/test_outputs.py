@@ -47,12 +47,19 @@ def samples():
     ]
 
 
+def write_shard(store: Store, name: str, samples: list[dict], output_cfg) -> dict:
+    """A shard's files as the writer process writes them (launcher/writer/stream.py): one batch, then commit."""
+    from launcher.writer.stream import ShardStream
+
+    stream = ShardStream(store, name, output_cfg)
+    stream.add(samples)
+    return stream.commit()
+
+
 def test_embed_images_false_writes_files_that_parquet_rows_point_at(tmp_path, monkeypatch):
     """Rows hold no bytes and the file's path from the folder's root; `datasets` opens such a path relative to
     the working directory, so it loads from the folder itself; the state records every file."""
     import datasets
-
-    from launcher.writer.writer import write_shard
 
     cfg = load_config("tiny", ["output.embed_images=false"])
     assert cfg.output.image_files is True  # rows that point at files need the files
@@ -75,8 +82,6 @@ def test_embed_images_false_writes_files_that_parquet_rows_point_at(tmp_path, mo
 
 
 def test_the_defaults_embed_and_write_no_files(tmp_path):
-    from launcher.writer.writer import write_shard
-
     cfg = load_config("tiny", [])
     assert (cfg.output.image_files, cfg.output.embed_images) == (False, True)
     out = tmp_path / "out"

@@ -1,20 +1,17 @@
-"""Write one finished shard: Parquet (with the Hugging Face Image feature), image files, WebDataset, each atomically."""
+"""What a shard's files hold: the row schema (with the Hugging Face Image feature), each image's path, and the
+removal of a failed shard's files. launcher/writer/stream.py writes them, batch by batch, each file atomically."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
-import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from launcher.ledger.states import DATA_DIR, IMAGES_DIR, WDS_DIR
 from launcher.ledger.store import Store
-from launcher.plan.shards import file_stem
-from launcher.writer.encode import EXTENSIONS
 
 # Schema of a sample row. `image` is the struct that `datasets` decodes as an Image feature when the schema
 # metadata below says so.
@@ -138,48 +135,6 @@ def _sweep_schema(extra: tuple[str, ...]) -> pa.Schema:
     return schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
 
 
-def write_shard(store: Store, shard_name: str, samples: list[dict], output_cfg) -> dict:
-    """Write a shard's files. `samples` hold the row fields of SCHEMA, with `encoded` holding the image's bytes
-    in `output.format`. Returns what the state file keeps of them: `files`, each file's size and sha256, hashed
-    here from the bytes written (launcher/ledger/verify.py checks them), and `data_bytes`, the Parquet data's
-    uncompressed size (what `datasets` calls num_bytes), so that the dataset card need not read every footer.
-
-    Each file appears whole or not at all (launcher/ledger/store.py). The caller writes the state file after this.
-    """
-    files: dict[str, list] = {}
-    data_bytes = None
-    ext = EXTENSIONS[output_cfg.format]
-    names = [f"{file_stem(s['id'])}.{ext}" for s in samples]
-    schema = schema_of(samples)
-
-    def put(rel: str, data: bytes) -> None:
-        store.write_bytes(rel, data)
-        files[rel] = [len(data), hashlib.sha256(data).hexdigest()]
-
-    if output_cfg.image_files:
-        folder = f"{IMAGES_DIR}/{shard_name}"
-        images = {n: s["encoded"] for n, s in zip(names, samples, strict=True)}
-        store.put_folder(folder, images)
-        files.update((f"{folder}/{n}", [len(b), hashlib.sha256(b).hexdigest()]) for n, b in images.items())
-    if output_cfg.parquet:
-        embed = output_cfg.get("embed_images", True)
-        rows = [
-            {**{k: s.get(k) for k in schema.names}, "image": {"bytes": s["encoded"] if embed else None, "path": name}}
-            for s, name in zip(samples, [image_path(shard_name, n, output_cfg) for n in names], strict=True)
-        ]
-        buf = io.BytesIO()
-        # Row groups of a fixed row count: `datasets` streaming and pyarrow read one group at a time, so a loader
-        # never holds a whole shard (256 megapixel PNGs are ~500 MB).
-        table = pa.Table.from_pylist(rows, schema=schema)
-        pq.write_table(table, buf, compression="zstd", row_group_size=output_cfg.row_group_size)
-        put(f"{DATA_DIR}/{shard_name}.parquet", buf.getvalue())
-        meta = pq.ParquetFile(buf).metadata
-        data_bytes = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
-    if output_cfg.webdataset:
-        put(f"{WDS_DIR}/{shard_name}.tar", webdataset_tar(samples, ext))
-    return {"files": files, **({"data_bytes": data_bytes} if data_bytes is not None else {})}
-
-
 def warm_up() -> None:
     """Pay the first Parquet write's one-off cost (pyarrow imports pandas then, 0.2-0.4 s) before generation
     starts, not while the second shard generates."""
@@ -200,20 +155,3 @@ def delete_shard_files(store: Store, shard_name: str) -> None:
             errors.append(e)
     if errors:
         raise errors[0]
-
-
-def webdataset_tar(samples: list[dict], ext: str) -> bytes:
-    """A WebDataset shard: `<key>.<ext>` and `<key>.json` per sample, in order, with fixed metadata so that the
-    same samples always give the same bytes."""
-    buf, names = io.BytesIO(), schema_of(samples).names
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for s in samples:
-            meta = {k: s.get(k) for k in names if k not in ("image", "reference_image")}
-            for name, data in (
-                (f"{file_stem(s['id'])}.{ext}", s["encoded"]),
-                (f"{file_stem(s['id'])}.json", json.dumps(meta, sort_keys=True, default=str).encode()),
-            ):
-                info = tarfile.TarInfo(name)
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
