@@ -871,18 +871,23 @@ def test_a_file_gone_from_the_glob_leaves_its_ids_and_its_rows_found_in_another_
         nights.plan()
 
 
-def test_a_folder_planned_by_row_positions_keeps_its_done_shards_when_the_id_map_is_first_built(tmp_path, monkeypatch):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_folder_planned_by_row_positions_keeps_its_done_shards_when_the_id_map_is_first_built(
+    tmp_path, monkeypatch, n
+):
     """launcher/ids/idplan.py's migration: an output folder whose shards were planned by row positions (states with
     the row planner's fingerprints, before the id map existed) keeps every done shard when the map is first built:
-    a done last shard of fewer rows keeps exactly those, and rows added since go to new shards."""
+    a done last shard of fewer prompts keeps exactly those, and rows added since go to new shards. With N images a
+    prompt a state's `rows` are its samples and `prompts` its prompts (launcher/worker/runner.py)."""
     from launcher.plan.plan import shard_tables, source
     from launcher.plan.shards import prompts_fingerprint
 
     src = tmp_path / "a.jsonl"
     write(src, ROWS)  # p000-p009: shards of 4, 4 and 2 rows by position
-    nights = _Nights(tmp_path, monkeypatch, src)
+    nights = _Nights(tmp_path, monkeypatch, src, f"generate.images_per_prompt={n}")
     for i, t, _ in shard_tables(source(nights.cfg), 4, None):
-        nights.states[i] = {"status": "done", "rows": t.num_rows, "prompts_fingerprint": prompts_fingerprint(t)}
+        counts = {"rows": t.num_rows * n, **({"prompts": t.num_rows} if n > 1 else {})}
+        nights.states[i] = {"status": "done", **counts, "prompts_fingerprint": prompts_fingerprint(t)}
     write(src, [*ROWS, *MORE])
     plan, _ = nights.plan()
     assert _shards(plan) == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done"), (3, 4, "pending")]
@@ -1023,3 +1028,56 @@ def test_a_kept_column_of_any_type_hashes_each_rows_value_whatever_its_batch(val
     assert row_hashes(batch(edited)).tolist()[1] != whole[1]
     assert row_hashes(batch(edited)).tolist()[0::2] == whole.tolist()[0::2]
     assert row_hashes(batch(values, "other")).tolist()[:2] != whole.tolist()[:2]
+
+
+def test_an_id_that_left_keeps_its_shard_when_it_comes_back_nights_later(tmp_path, monkeypatch, caplog):
+    """launcher/ids/idmap.py: ids that left the source keep their shard if they come back, however many nights
+    later (each night's map carries the ids that left before); a map whose file of them is gone is damaged."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # shards 0 (p000-p003), 1 (p004-p007), 2 (p008, p009)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    write(src, [r for r in ROWS if r["uid"] != "p005"])  # p005 leaves
+    nights.plan()
+    write(src, [r for r in ROWS if r["uid"] != "p005"] + [{"uid": "q0", "prompt": "new"}])  # another night
+    nights.plan()
+    write(src, [*ROWS, {"uid": "q0", "prompt": "new"}])  # p005 is back
+    back, _ = nights.plan()
+    assert [(s.index, s.rows) for s in back.shards] == [(0, 4), (1, 4), (2, 2), (3, 1)]  # q0: a new shard
+    del nights.states[1]
+    again, _ = nights.plan()
+    assert again.selected == [1] and [i for i, _ in nights.rows(again, 1)] == ["p004", "p005", "p006", "p007"]
+
+    write(src, [r for r in ROWS if r["uid"] != "p001"])  # p001 leaves too: a file of left ids is written
+    nights.plan()
+    index = tmp_path / "out" / "sources" / "index.json"
+    left = json.loads(index.read_text())["left"]
+    (tmp_path / "out" / left).unlink()
+    write(src, [*ROWS, {"uid": "q0", "prompt": "new"}])  # planned afresh, as the shards were first planned
+    afresh, _ = nights.plan()
+    assert [(s.index, s.rows, s.status) for s in afresh.shards][-1] == (3, 1, "done")
+    assert f"the id map {index} is damaged ({left} is missing): the source is planned afresh" in caplog.text
+
+
+def test_a_new_file_of_many_old_ids_is_set_aside_in_one_more_pass(tmp_path, monkeypatch):
+    """dataset.bad_rows=skip: never retried forever. A night's new file that repeats six ids of an unchanged file
+    (an export that re-includes old rows) sets all six aside at once: one more read of the new file, not one per
+    id; each names its own place and the first row's file and row."""
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b = d / "a.jsonl", d / "b.jsonl"
+    write(a, ROWS)  # positions 0-9
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
+    nights.plan()
+    write(b, [{"uid": "q0", "prompt": "new"}, *({"uid": r["uid"], "prompt": "again"} for r in ROWS[5::-1])])
+    plan, reads = nights.plan()
+    assert reads == [[0, 7], [0, 7]]
+    assert [(r["position"], r["id"], r["reason"]) for r in plan.rejected] == [
+        (
+            11 + k,
+            f"p{5 - k:03d}",
+            f"dataset {b}: duplicate id 'p{5 - k:03d}' (also row {5 - k} of {a}); ids must be unique",
+        )
+        for k in range(6)
+    ]
+    assert [s.rows for s in plan.shards[3:]] == [1]  # q0 alone is new

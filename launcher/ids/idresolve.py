@@ -49,7 +49,7 @@ def _finish(out, staged, new, spill, candidates, vanished, deltas, index, files,
             deltas.append((moved["shard"].to_numpy()[edited], fp[edited], fp0[edited], moved["id"].filter(e)))
         rest = found.filter(pc.is_null(found["shard"]))
         twins = _in_files(index, [f for f in index.files if f in files and f not in staged_changed(staged)], rest)
-        late += _duplicates(twins, rest, out, staged)
+        late += _duplicates(twins, rest, staged)
         rest = rest.filter(pc.invert(pc.is_in(rest["id"], value_set=twins["id"]))) if twins.num_rows else rest
         if rest.num_rows:  # a hash that a run holds for another id: new after all
             shard, pos = new.take(rest["fp"].to_numpy())
@@ -119,14 +119,20 @@ def _in_files(index, unchanged: list[str], rest: pa.Table) -> pa.Table:
     return t.filter(pc.is_in(stems(t["id"].combine_chunks()), value_set=stems(rest["id"].combine_chunks())))
 
 
-def _duplicates(twins: pa.Table, rest: pa.Table, out, staged) -> list[tuple[int, str]]:
+def _duplicates(twins: pa.Table, rest: pa.Table, staged) -> list[tuple[int, str]]:
+    """Every row of `rest` whose id (its file name stem, to be exact) an unchanged file holds, each naming the first
+    such row there: all of them at once, so that a file of many old ids costs one more pass, not one per id."""
     if not twins.num_rows:
         return []
-    first = twins.to_pylist()[0]
-    dup = rest.filter(pc.equal(stems(rest["id"].combine_chunks()), stems(pa.array([first["id"]]))[0])).to_pylist()[0]
-    where = _position(staged, dup["file"], dup["row"])
-    why = _why(dup["id"], first["id"], dup["file"], first["file"], first["row"])
-    return [(where, why, dup["id"], [first["file"], dup["file"]])]
+    first: dict[str, dict] = {}
+    for row, stem in zip(twins.to_pylist(), stems(twins["id"].combine_chunks()).to_pylist(), strict=True):
+        first.setdefault(stem, row)
+    late = []
+    for dup, stem in zip(rest.to_pylist(), stems(rest["id"].combine_chunks()).to_pylist(), strict=True):
+        if (f := first.get(stem)) is not None:
+            why = _why(dup["id"], f["id"], dup["file"], f["file"], f["row"])
+            late.append((_position(staged, dup["file"], dup["row"]), why, dup["id"], [f["file"], dup["file"]]))
+    return late
 
 
 def _why(rid: str, other: str, f: str, f0: str, row0: int) -> str:
