@@ -1062,22 +1062,24 @@ def test_an_id_that_left_keeps_its_shard_when_it_comes_back_nights_later(tmp_pat
 def test_a_new_file_of_many_old_ids_is_set_aside_in_one_more_pass(tmp_path, monkeypatch):
     """dataset.bad_rows=skip: never retried forever. A night's new file that repeats six ids of an unchanged file
     (an export that re-includes old rows) sets all six aside at once: one more read of the new file, not one per
-    id; each names its own place and the first row's file and row."""
+    id; each names its own place and the first row's file and row, or the id whose file name it would take."""
     d = tmp_path / "src"
     d.mkdir()
     a, b = d / "a.jsonl", d / "b.jsonl"
-    write(a, ROWS)  # positions 0-9
+    write(a, [*ROWS, {"uid": "x_1", "prompt": "x"}])  # positions 0-10
     nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
     nights.plan()
-    write(b, [{"uid": "q0", "prompt": "new"}, *({"uid": r["uid"], "prompt": "again"} for r in ROWS[5::-1])])
+    again = [{"uid": r["uid"], "prompt": "again"} for r in ROWS[5::-1]]
+    write(b, [{"uid": "q0", "prompt": "new"}, *again, {"uid": "x/1", "prompt": "x"}])
     plan, reads = nights.plan()
-    assert reads == [[0, 7], [0, 7]]
+    assert reads == [[0, 8], [0, 8]]
     assert [(r["position"], r["id"], r["reason"]) for r in plan.rejected] == [
         (
-            11 + k,
+            12 + k,
             f"p{5 - k:03d}",
             f"dataset {b}: duplicate id 'p{5 - k:03d}' (also row {5 - k} of {a}); ids must be unique",
         )
         for k in range(6)
-    ]
+    ] + [(18, "x/1", f"dataset {b}: ids 'x_1' and 'x/1' both become the file name x_1; make them differ in letters, "
+          "digits, '-' or '_'")]  # fmt: skip
     assert [s.rows for s in plan.shards[3:]] == [1]  # q0 alone is new
