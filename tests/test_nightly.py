@@ -1083,3 +1083,32 @@ def test_a_new_file_of_many_old_ids_is_set_aside_in_one_more_pass(tmp_path, monk
     ] + [(18, "x/1", f"dataset {b}: ids 'x_1' and 'x/1' both become the file name x_1; make them differ in letters, "
           "digits, '-' or '_'")]  # fmt: skip
     assert [s.rows for s in plan.shards[3:]] == [1]  # q0 alone is new
+
+
+def test_a_hub_source_with_ids_is_unchanged_by_its_files_content_ids(hub, tmp_path, monkeypatch):
+    """An hf://datasets source (the Hub gives no modification time): a night whose files the Hub still holds as they
+    were reads none of them; a file pushed again with new rows is read again, and only it."""
+    from fake_hub import Repo
+
+    for k, v in hub.env.items():
+        monkeypatch.setenv(k, v)
+    files = {"a.jsonl": ROWS[:4], "b.jsonl": ROWS[4:]}
+
+    def push() -> None:
+        from huggingface_hub import HfFileSystem
+
+        hub.repos["datasets/org/nightly"] = Repo(
+            {f: "".join(json.dumps(r) + "\n" for r in rows).encode() for f, rows in files.items()}
+        )
+        HfFileSystem.clear_instance_cache()  # each night is a new launcher: nothing of the last night's listing
+
+    push()
+    nights = _Nights(tmp_path, monkeypatch, "hf://datasets/org/nightly/*.jsonl")
+    first, reads = nights.plan()
+    assert reads == [[0, 4], [0, 6]] and [s.rows for s in first.shards] == [4, 4, 2]
+    _, reads = nights.plan()
+    assert reads == []
+    files["b.jsonl"] = [*ROWS[4:], {"uid": "q0", "prompt": "new"}]
+    push()
+    grown, reads = nights.plan()
+    assert reads == [[0, 7]] and [s.rows for s in grown.shards] == [4, 4, 2, 1]
