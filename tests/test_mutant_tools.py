@@ -7,7 +7,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
 
-from mutant_kinds import kinds  # noqa: E402
+from mutant_kinds import diff, kinds  # noqa: E402
 
 FUNCTION = """
 def x_f__mutmut_NAME(x):
@@ -46,3 +46,10 @@ def test_each_mutant_is_the_kind_of_the_statement_its_change_is_in(tmp_path):
         "pkg.m.x_f__mutmut_4": "behaviour",
         "pkg.m.x_f__mutmut_9": "behaviour",  # not in the file: counted as the worst kind
     }
+
+
+def test_a_mutants_change_is_the_originals_lines_it_replaced_and_its_own(tmp_path):
+    """`--sample` shows each drawn mutant's change: `-` the original's line, `+` the mutant's, nothing else."""
+    (tmp_path / "m.py").write_text(mutated_file())
+    assert diff(tmp_path, "m.py", "pkg.m.x_f__mutmut_3") == ["-    if x < 0:", "+    if x <= 0:"]
+    assert diff(tmp_path, "m.py", "pkg.m.x_f__mutmut_1") == ['-        "x is %d",', '+        "XXx is %dXX",']

@@ -85,6 +85,20 @@ def kinds(mutants: Path, module_path: str, names: list[str]) -> dict[str, str]:
     return out
 
 
+def diff(mutants: Path, module_path: str, name: str) -> list[str]:
+    """The mutant's change, as `-` lines of the original and `+` lines of the mutant (the def line left out)."""
+    copies = functions((mutants / module_path).read_text())
+    short = name.rsplit(".", 1)[1]
+    m = NAME.match(short)
+    orig, mutant = copies.get(f"{m['func']}__mutmut_orig", "") if m else "", copies.get(short, "")
+    a, b = orig.splitlines()[1:], mutant.splitlines()[1:]
+    return [
+        line
+        for line in difflib.unified_diff(a, b, lineterm="", n=0)
+        if line[:1] in "-+" and line[:3] not in ("---", "+++")
+    ]
+
+
 def kind_counts(mutants: Path, by_module: dict[str, list[str]]) -> Counter:
     found: Counter = Counter()
     for module_path, names in by_module.items():

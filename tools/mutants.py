@@ -5,6 +5,8 @@
     python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
     python tools/mutants.py ROOM --again                     run only what the last run did not kill
     python tools/mutants.py [ROOM] --kinds                   what each room's survivors change (tools/mutant_kinds.py)
+    python tools/mutants.py ROOM --sample 20 [--seed 1]      a seeded sample of its "behaviour" survivors, each
+                                                             with its change, to judge by hand (docs/mutation-audit.md)
 
 A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, writer, jobs); pyproject's
 [tool.mutmut] mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
@@ -77,6 +79,22 @@ def kinds_table(rooms: list[str]) -> str:
     for room in rooms:
         c = kind_counts(REPO / "mutants", unkilled_by_module(room))
         lines.append(f"{room:8} {sum(c.values()):>8} " + " ".join(f"{c[k]:>10}" for k in kinds))
+    return "\n".join(lines)
+
+
+def sample(room: str, n: int, seed: int) -> str:
+    """`n` of the room's unkilled "behaviour" mutants, drawn with `seed` (the same draw for the same verdicts)."""
+    import random
+
+    from mutant_kinds import diff, kinds
+
+    found = []
+    for module_path, names in sorted(unkilled_by_module(room).items()):
+        found += sorted(k for k, v in kinds(REPO / "mutants", module_path, names).items() if v == "behaviour")
+    drawn = random.Random(seed).sample(found, min(n, len(found)))
+    lines = [f"room {room}: {len(drawn)} of {len(found)} behaviour survivors (seed {seed})"]
+    for name in drawn:
+        lines += [f"== {name}", *diff(REPO / "mutants", module_of(name).replace(".", "/") + ".py", name)]
     return "\n".join(lines)
 
 
@@ -171,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--survivors", action="store_true", help="only list the room's surviving mutants")
     parser.add_argument("--again", action="store_true", help="run only the mutants the last run did not kill")
     parser.add_argument("--kinds", action="store_true", help="only say what the unkilled mutants change, by kind")
+    parser.add_argument("--sample", type=int, metavar="N", help="only show N behaviour survivors, drawn at random")
+    parser.add_argument("--seed", type=int, default=1, help="the draw of --sample (default 1)")
     args = parser.parse_args(argv)
     # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -181,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     rooms = list(ROOMS) if room == "all" else [room]
     if args.kinds:
         print(kinds_table(rooms))
+        return 0
+    if args.sample:
+        print("\n\n".join(sample(r, args.sample, args.seed) for r in rooms))
         return 0
     if args.survivors:  # `mutmut show NAME` shows one
         print("\n".join(n for r in rooms for n, v in verdicts(r).items() if v in ("survived", "suspicious")))
