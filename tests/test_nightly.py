@@ -593,7 +593,8 @@ def test_duplicates_set_aside_name_the_file_of_the_later_row_and_the_place_of_th
     nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
     nights.plan()
     write(b, [{"uid": "q9", "prompt": "new"}, {"uid": "p003", "prompt": "again"}, {"uid": "q9", "prompt": "twice"}])
-    plan, _ = nights.plan()
+    plan, reads = nights.plan()
+    assert reads == [[0, 3], [0, 3]]  # both set aside after one read: one more read plans without them
     assert [(r["position"], r["id"], r["reason"]) for r in plan.rejected] == [
         (11, "p003", f"dataset {b}: duplicate id 'p003' (also row 3 of {a}); ids must be unique"),
         (12, "q9", f"dataset {b}: duplicate id 'q9' (also row 0 of {b}); ids must be unique"),
