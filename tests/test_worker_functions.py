@@ -538,6 +538,78 @@ def test_an_injected_failure_fails_its_shard_on_the_last_tp_rank_only(monkeypatc
         assert runner.run_shard(w, Shard(4, rows, "fp"))  # another shard
 
 
+@pytest.mark.parametrize("encode_workers", [1, 2])
+def test_the_writer_processs_functions_in_this_process(encode_workers, tmp_path, monkeypatch):
+    """launcher/writer/writer_process.py's side, called here as the spawned writer process calls it: set up once
+    (its death tied to the given parent, its nice value raised by WRITER_NICENESS, pandas refused, an encoder pool
+    only for 2+ encode workers); batches encoded and streamed into a shard's files, committed whole by `_finish`;
+    an aborted shard and a batch that cannot be written leave nothing of their files; with no output kind, no file."""
+    import importlib
+    import sys
+    from types import SimpleNamespace
+
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.writer import writer_process as wp
+
+    parents, nice = [], []
+    monkeypatch.setattr(wp, "die_with_parent", parents.append)
+    monkeypatch.setattr(wp.os, "nice", nice.append)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(wp, "_OUT", {})
+    monkeypatch.setattr(wp, "_STREAMS", {})
+    cfg = load_config("tiny", ["output.row_group_size=2", "output.image_files=true"]).output
+    plain = SimpleNamespace(**OmegaConf.to_container(cfg, resolve=True))
+    wp._start_writer(str(tmp_path), plain, encode_workers, 4242)
+    try:
+        assert parents == [4242] and nice == [wp.WRITER_NICENESS]
+        with pytest.raises(ModuleNotFoundError, match="the writer process does without pandas"):
+            importlib.import_module("pandas.not_yet_imported")
+        pool = wp._OUT["encoders"]
+        assert (pool._max_workers if pool else 1) == encode_workers and (pool is None) == (encode_workers == 1)
+        first, second = samples(["a", "b"], 0, first=0), samples(["c"], 1, first=2)
+        pixels = [s["pixels"].copy() for s in (*first, *second)]
+        wp._add_batch("shard-00000", first)
+        wp._add_batch("shard-00000", second)
+        assert not (tmp_path / "data" / "shard-00000.parquet").exists()  # not before its end
+        got = wp._finish("shard-00000")
+        rows = pq.read_table(tmp_path / "data" / "shard-00000.parquet").to_pylist()
+        assert [r["id"] for r in rows] == ["a", "b", "c"]
+        assert [np.asarray(pixels_of(r["image"]["bytes"])).tolist() for r in rows] == [p.tolist() for p in pixels]
+        assert sorted(got["files"]) == [
+            "data/shard-00000.parquet",
+            *(f"images/shard-00000/{i}.png" for i in "abc"),
+        ]
+
+        wp._add_batch("shard-00001", samples(["d"], 2, first=0))
+        wp._abort("shard-00001")
+        bad = samples(["e", "g"], 3, first=0)  # a row group's worth: written, and refused, as it is added
+        bad[1]["seed"] = "not a seed"
+        with pytest.raises(Exception, match="seed"):
+            wp._add_batch("shard-00002", bad)
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+        assert left == sorted(got["files"]) and wp._STREAMS == {}
+
+        none = SimpleNamespace(**{**vars(plain), "parquet": False, "image_files": False, "webdataset": False})
+        wp._OUT["cfg"] = none
+        wp._add_batch("shard-00003", samples(["f"], 4, first=0))
+        assert wp._STREAMS == {} and not list(tmp_path.glob("*/shard-00003*"))
+    finally:
+        wp._stop_encoders()
+    assert "encoders" not in wp._OUT
+
+
+def pixels_of(data: bytes):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
 def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_its_files(tmp_path, caplog):
     """launcher/writer/bgwriter.py: a shard whose batch the writer process could not write is recorded failed (the
     error, its class, its traceback; its attempts counted as DESIGN's state says), with none of its files; a shard
@@ -622,9 +694,8 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     writer.add(0, "shard-00000", samples(["a", "b"], 0, first=0))
     writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
     writer.add(1, "shard-00001", samples(["c"], 1, first=0))
-    writer.submit(
-        ShardJob(1, "shard-00001", samples(["d"], 2, first=1), {"status": "done", "rows": 2, "seconds": 1.0}, {"d": 1})
-    )
+    end = samples(["e", "d"], 2)  # handed over with its end, out of order: `order` puts them in place
+    writer.submit(ShardJob(1, "shard-00001", end, {"status": "done", "rows": 3, "seconds": 1.0}, {"d": 1, "e": 2}))
     with caplog.at_level("INFO", logger="meshgen.shards"):
         writer.close()
     failed = json.loads((tmp_path / "state" / "shard-00000.json").read_text())
@@ -633,10 +704,10 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     assert failed["error"].endswith("; its files could not be removed: OSError: cannot remove data/shard-00000.parquet")
     done = json.loads((tmp_path / "state" / "shard-00001.json").read_text())
     assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
-    assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d"]
+    assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d", "e"]
     assert not writers()
     events = [r.getMessage() for r in caplog.records if r.name == "meshgen.shards"]
-    assert events == [f"shard 0 failed: {failed['error']}", "shard 1 done: 2 images in 1.0 s"]
+    assert events == [f"shard 0 failed: {failed['error']}", "shard 1 done: 3 images in 1.0 s"]
 
 
 def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_model):
