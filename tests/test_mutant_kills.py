@@ -2837,3 +2837,37 @@ def test_a_prompt_id_that_is_another_prompts_sample_id_is_refused_in_either_orde
     # a resume across jobs names them (a settings file from before `job` was recorded is text_to_image)
     assert settings_diff({}, {"job": {"name": "edit"}}) == ["job: 'text_to_image' -> 'edit'"]
     assert settings_diff({"job": {"name": "edit"}}, {}) == ["job: 'edit' -> 'text_to_image'"]
+
+
+def test_an_edit_shards_extra_columns_keep_datasets_image_features_and_its_tar_json_holds_no_image(tmp_path):
+    """launcher/writer/writer.py, stream.py: with references, a reference image, a kept column and the quality
+    columns, `datasets` still reads `image` and `reference_image` as Image features from the Parquet's schema (its
+    own reading of the schema is the judge), the scores as float32 and bool; a WebDataset sample's JSON holds the
+    row's columns but its images (docs/guide.md: `<id>.json` per sample)."""
+    import tarfile
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+    from launcher.writer.writer import KEPT_FIELDS
+
+    sample = {"id": "a", "prompt": "p", "seed": 7, "height": 8, "width": 8, "model": "m", "encoded": b"png-a"}
+    sample |= {"reference": [{"id": "r", "path": "r.png", "sha256": "0" * 64}]}
+    sample |= {"reference_image": {"bytes": b"ref", "path": "r.png"}, "clip_score": 31.5, "nsfw": False}
+    sample |= {"source": "lake", KEPT_FIELDS: (pa.field("source", pa.string()),)}
+    cfg = load_config("tiny", ["output.webdataset=true"]).output
+    stream = ShardStream(Store(tmp_path), "shard-00000", cfg)
+    stream.add([dict(sample)])
+    stream.commit()
+    features = datasets.Features.from_arrow_schema(pq.read_schema(tmp_path / "data" / "shard-00000.parquet"))
+    assert isinstance(features["image"], datasets.Image) and isinstance(features["reference_image"], datasets.Image)
+    assert features["clip_score"] == datasets.Value("float32") and features["nsfw"] == datasets.Value("bool")
+    assert features["source"] == datasets.Value("string")
+    with tarfile.open(tmp_path / "webdataset" / "shard-00000.tar") as tar:
+        meta = json.loads(tar.extractfile("a.json").read())
+    assert "image" not in meta and "reference_image" not in meta
+    assert meta["reference"] == sample["reference"] and meta["clip_score"] == 31.5 and meta["source"] == "lake"

@@ -704,6 +704,7 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     assert failed["error"].endswith("; its files could not be removed: OSError: cannot remove data/shard-00000.parquet")
     done = json.loads((tmp_path / "state" / "shard-00001.json").read_text())
     assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
+    assert isinstance(done["write_seconds"], float) and done["write_seconds"] >= 0  # its files' write, timed
     assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d", "e"]
     assert not writers()
     events = [r.getMessage() for r in caplog.records if r.name == "meshgen.shards"]
