@@ -507,6 +507,20 @@ def test_a_done_shards_state_says_what_it_made_and_where_its_time_went(monkeypat
     assert w.load_seconds == 0.0  # counted in this shard's stages only
 
 
+def test_a_swept_shards_state_counts_its_prompts_beside_its_samples(monkeypatch, tmp_path):
+    """DESIGN: each prompt makes images_per_prompt x sweep variants samples; a shard's state says both, `rows` its
+    samples and `prompts` its prompts, with one image a prompt too once a sweep makes several."""
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    sweep = ["generate.images_per_prompt=1", "generate.sweep={guidance_scale:[2.5,4.0]}"]
+    w, _ = shard_worker(monkeypatch, tmp_path, overrides=sweep)
+    rows = ({"id": "a", "prompt": "pa"}, {"id": "b", "prompt": "pb"}, {"id": "c", "prompt": "pc"})
+    assert runner.run_shard(w, Shard(0, rows, "fp"))
+    [job] = w.writer.jobs
+    assert (job.state["rows"], job.state["prompts"]) == (6, 3)
+
+
 def test_a_failed_shards_state_names_the_error_its_class_and_the_batchs_samples(monkeypatch, tmp_path):
     from launcher.plan.shards import Shard
     from launcher.worker import runner
@@ -729,15 +743,16 @@ def test_a_pipeline_loads_as_diffusers_loads_it_in_the_configured_dtype(tiny_mod
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
 
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("staged, abort", [(False, False), (True, False), (False, True)])
 def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done(
-    staged, tiny_model, tmp_path, monkeypatch
+    staged, abort, tiny_model, tmp_path, monkeypatch
 ):
     """A world of one rank (gloo, this process), as torchrun would start it: run_worker reads the plan the launcher
     wrote, claims each shard, loads the pipeline, writes each shard's Parquet and marks it done. DESIGN: one row per
     sample, ids the row number and `<prompt id>-<k>` for N images a prompt, each seed the first 8 bytes of
     sha256("<generate.seed>:<sample id>") little-endian masked to 63 bits, images of the size asked; the same with
-    execution.staged (a shard's prompts encoded before it is denoised)."""
+    execution.staged (a shard's prompts encoded before it is denoised). With run.on_error=abort, a failed shard
+    ends the run: exit 3 (DESIGN: the run ended but some selected shards are not done), no other shard begun."""
     import gc
     import hashlib
     import io
@@ -760,6 +775,7 @@ def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done
         "generate.num_inference_steps=1",
         "generate.batch_size=3",
         f"execution.staged={staged}",
+        *(["testing.fail_shards=[0]", "run.on_error=abort"] if abort else []),
     ]
     args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}", *job]
     cfg = load_config("tiny", args[1:])
@@ -772,12 +788,16 @@ def test_one_rank_in_this_process_generates_the_plans_shards_and_marks_each_done
     for k, v in {**env, "LOCAL_WORLD_SIZE": "1", "MESHGEN_RUN_ID": "run-1"}.items():
         monkeypatch.setenv(k, v)
     try:
-        assert run(args) == 0  # the worker's entry, as torchrun's `-m launcher.worker.main conf=tiny ...` runs it
+        code = run(args)  # the worker's entry, as torchrun's `-m launcher.worker.main conf=tiny ...` runs it
     finally:
         gc.unfreeze()
         if dist.is_initialized():
             dist.destroy_process_group()
     states = {p.name: json.loads(p.read_text()) for p in (out / "state").glob("shard-*.json")}
+    if abort:
+        assert code == 3 and {k: v["status"] for k, v in states.items()} == {"shard-00000.json": "failed"}
+        return
+    assert code == 0
     assert sorted(states) == ["shard-00000.json", "shard-00001.json"]
     assert [s["status"] for s in states.values()] == ["done", "done"] and not list((out / "claims").rglob("*.json"))
     rows = [r for i in (0, 1) for r in pq.read_table(out / "data" / f"shard-{i:05d}.parquet").to_pylist()]
