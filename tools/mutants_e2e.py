@@ -1,7 +1,7 @@
 """`make mutants-e2e ROOM=host`: the room's mutants that no fast test reaches, sampled and run against the
 end-to-end tests that launch jobs.
 
-    python tools/mutants_e2e.py ROOM [-n 12] [--seed 0]    after `make mutants ROOM=...` (it reads mutants/)
+    python tools/mutants_e2e.py ROOM [-n 12] [--seed 0] [--survivors]    after `make mutants ROOM=...`
 
 mutmut picks a mutant's tests by which tests call its function in mutmut's own process; code that runs only in the
 processes a launch starts (the launcher's run loop, the hosts' watch, the workers' entry) has no test there, though
@@ -10,7 +10,8 @@ the room's no-test mutants (the same one for the same seed and verdicts) and run
 reach its module (E2E below), from mutants/ with MUTANT_UNDER_TEST set: every process a test starts inherits it, and
 launch.sh there puts the mutated code first on PYTHONPATH. A control run with no mutant active must pass first.
 The counts estimate the share of the room's no-test mutants that the suite kills; results go to
-mutants/e2e-ROOM.json.
+mutants/e2e-ROOM.json. `--survivors` samples the mutants that survived their fast tests as well: code that a fast
+test enters but whose launched paths (tp > 1, a second host, torchrun's agent) only a launch takes.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("room", choices=list(ROOMS))
     parser.add_argument("-n", type=int, default=12, help="mutants in the sample (default 12)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--survivors", action="store_true", help="sample the survivors too, not only no-test ones")
     args = parser.parse_args(argv)
-    no_tests = sorted(name for name, v in verdicts(args.room).items() if v == "no tests")
+    kinds = ("no tests", "survived") if args.survivors else ("no tests",)
+    no_tests = sorted(name for name, v in verdicts(args.room).items() if v in kinds)
     if not no_tests:
         print(f"room {args.room}: no mutant without a test (run `make mutants ROOM={args.room}` first)")
         return 0
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     (REPO / "mutants" / f"e2e-{args.room}.json").write_text(json.dumps(results, indent=1) + "\n")
     killed = sum(r["verdict"] in ("killed", "timeout") for r in results.values())
     print(
-        f"room {args.room}: {killed} of {len(sample)} sampled no-test mutants killed by launched tests "
-        f"({len(no_tests)} no-test mutants in the room)"
+        f"room {args.room}: {killed} of {len(sample)} sampled {' or '.join(kinds)} mutants killed by launched tests "
+        f"({len(no_tests)} such mutants in the room)"
     )
     return 0
 
