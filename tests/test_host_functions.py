@@ -2039,3 +2039,59 @@ def test_h_is_help_cfg_job_prints_the_yaml_once_and_a_tpu_dry_run_names_each_hos
         "nproc_per_node=8)"
     ) in lines
     assert any(ln.startswith("torchrun ") and "--nproc-per-node=8" in ln for ln in lines), lines
+
+
+def test_the_rendezvous_address_is_torchruns(monkeypatch):
+    """launcher/checks/settings.py: the store the hosts meet at is MASTER_ADDR:MASTER_PORT, as torchrun reads them
+    (docs/guide.md's two-host launch sets both), and torchrun's own defaults where unset: 127.0.0.1, 29500."""
+    from launcher.checks.settings import store_address
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29600")
+    assert store_address() == ("10.0.0.2", 29600)
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    assert store_address() == ("127.0.0.1", 29500)
+
+
+def test_a_download_errors_cause_is_found_down_its_chain():
+    """launcher/checks/download.py: a gated or missing repo is told by the cause of what the download raised, however
+    deep the library wrapped it (raised from it, or raised while handling it); a chain without one gives none."""
+    import requests
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from launcher.checks.download import _root_cause
+
+    wanted, answer = (GatedRepoError, RepositoryNotFoundError), requests.Response()
+    answer.status_code = 403
+    gated = GatedRepoError("gated", response=answer)
+    try:
+        try:
+            raise gated
+        except GatedRepoError as e:
+            try:
+                raise OSError("cannot load the model") from e
+            except OSError:
+                raise RuntimeError("while loading")  # noqa: B904 - the implicit context is the case
+    except RuntimeError as top:
+        assert _root_cause(top, wanted) is gated
+    assert _root_cause(gated, wanted) is gated
+    assert _root_cause(RuntimeError("plain"), wanted) is None
+
+
+def test_an_unknown_tiny_builder_is_one_line_naming_those_the_confs_declare():
+    """model.build: the builders are the `build:` values of conf/model/*.yaml; another is refused naming them."""
+    import yaml
+
+    from launcher.checks.family_checks import tiny_family
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+
+    declared = sorted(
+        b
+        for f in Path(__file__).parents[1].glob("conf/model/*.yaml")
+        if (b := yaml.safe_load(f.read_text()).get("build"))
+    )
+    with pytest.raises(ConfigError) as e:
+        tiny_family(load_config("tiny", ["model.build=tiny_nope"]))
+    assert str(e.value) == f"model.build='tiny_nope' is unknown; builders: {', '.join(declared)} (or null)"
