@@ -2871,3 +2871,35 @@ def test_an_edit_shards_extra_columns_keep_datasets_image_features_and_its_tar_j
         meta = json.loads(tar.extractfile("a.json").read())
     assert "image" not in meta and "reference_image" not in meta
     assert meta["reference"] == sample["reference"] and meta["clip_score"] == 31.5 and meta["source"] == "lake"
+
+
+def test_the_card_names_its_features_its_sweep_and_its_encoding(tmp_path):
+    """docs/guide.md: the card's front matter holds the features (the image an Image), its body the encoding
+    (`webp (lossless)` with output.lossless) and, with a sweep, its variants and DESIGN's sample ids `<base id>@<v>`;
+    the Hub finds it by its task and tags."""
+    import types
+
+    import yaml
+
+    from launcher.config import load_config
+    from launcher.ledger.runs import write_run_json
+    from launcher.ledger.states import state_rel
+    from launcher.ledger.store import Store
+    from launcher.publish import card
+    from launcher.writer.stream import ShardStream
+
+    store = Store(tmp_path)
+    job = ["model.path=org/tiny", "model.build=null", "output.format=webp", "output.lossless=true"]
+    cfg = load_config("tiny", [*job, "generate.sweep={guidance_scale:[2.5,4.0]}"])
+    write_run_json(store, cfg, 1)
+    out = types.SimpleNamespace(format="webp", parquet=True, webdataset=False, image_files=False, row_group_size=2)
+    stream = ShardStream(store, "shard-00000", out)
+    stream.add([_stream_sample(0)])
+    store.write_json(state_rel(0), {"status": "done", "rows": 1, "seconds": 1.0, "run_id": "r", **stream.commit()})
+    text = card.card_text(store)
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert {"name": "image", "dtype": "image"} in front["dataset_info"]["features"]
+    assert front["task_categories"] == ["text-to-image"] and front["tags"] == ["synthetic"]
+    assert "- images: webp (lossless), stored as the `image` column's bytes" in text
+    assert "every prompt at 2 combinations of settings" in text and "`<base id>@<v>`" in text
+    assert "v = 0: guidance_scale=2.5; 1: guidance_scale=4.0" in text
