@@ -57,9 +57,10 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     log: list[tuple[str, str]] = field(default_factory=list)
     url: str = ""
-    tokens: dict[str, str] = field(default_factory=dict)  # token -> role ("read" or "write")
+    tokens: dict[str, str] = field(default_factory=dict)  # token -> role ("read", "write" or "fineGrained")
     lfs: dict[str, bytes] = field(default_factory=dict)  # uploaded LFS objects by sha256
     fail_commits: int = 0  # answer this many commits 429 (rate limited) before accepting one
+    fail_status: int = 429  # or this status: 503, say, an overloaded Hub (no rate-limit headers then)
     refuse_commits: bool = False  # answer every commit 403, as for a token that lost its write access
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -134,11 +135,11 @@ def serve(hub: FakeHub):
             return hub.tokens.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
 
         def _may_write(self) -> bool:
-            role = self._role()
-            if role != "write":
+            role = self._role()  # a fine-grained token here is one given write access to the repo
+            if role not in ("write", "fineGrained"):
                 code, msg = (403, "You don't have the rights to write here") if role else (401, "Invalid token")
                 self._send(code, b"", {"X-Error-Message": msg})
-            return role == "write"
+            return role in ("write", "fineGrained")
 
         def _whoami(self):
             role = self._role()
@@ -272,6 +273,8 @@ def serve(hub: FakeHub):
             with hub.lock:
                 if hub.fail_commits > 0:
                     hub.fail_commits -= 1
+                    if hub.fail_status != 429:
+                        return self._send(hub.fail_status, b"", {"X-Error-Message": "try again later"})
                     headers = {"RateLimit": '"api";r=0;t=1', "RateLimit-Policy": '"fixed window";"api";q=1;w=1'}
                     return self._send(429, b"", {"X-Error-Message": "rate limited", **headers})
                 lines = [json.loads(x) for x in data.splitlines() if x.strip()]

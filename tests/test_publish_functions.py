@@ -160,6 +160,7 @@ def test_a_target_inside_the_run_or_of_another_kind_is_refused_before_anything_i
 
     for target, words in (
         (str(run / "pub"), f"cannot publish {run} into itself"),
+        (str(run), f"cannot publish {run} into itself"),
         ("ftp://host/x", "cannot publish to ftp://host/x: give hf://datasets/ORG/NAME, s3://BUCKET/PATH"),
         ("hf://datasets/only-one-part", "a Hub target is hf://datasets/ORG/NAME (or ...@REVISION)"),
     ):
@@ -289,6 +290,47 @@ def test_a_hub_commit_answered_429_is_sent_again_when_its_limit_resets(run, hub_
         assert publish(str(run), TARGET, card=False)["files"] == 3
     assert hub_here.fail_commits == 0 and len(hub_here.repos[f"datasets/{REPO_ID}"].commits) == 1
     assert len(waits) == 2 and f"{TARGET}: commit answered 429; sending it again in" in caplog.text
+
+
+def test_a_hub_commit_answered_5xx_waits_1_then_2_s_and_one_answered_403_is_not_sent_again(
+    run, hub_here, monkeypatch, caplog
+):
+    """targets.py: a commit the Hub answers 429 or 5xx is sent again, after the wait its rate limit names, else
+    2**attempt seconds (1, 2, ...); any other refusal is final at once."""
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish import targets
+    from launcher.publish.push import publish
+
+    waits = []
+    monkeypatch.setattr(targets.time, "sleep", waits.append)
+    hub_here.fail_commits, hub_here.fail_status = 2, 503
+    with caplog.at_level(logging.WARNING):
+        assert publish(str(run), TARGET, card=False)["files"] == 3
+    assert waits == [1, 2] and f"{TARGET}: commit answered 503; sending it again in 1 s" in caplog.text
+    commits = [p for p in hub_here.requested("POST") if "/commit/" in p]
+    hub_here.refuse_commits = True
+    shard(run, 1, {"data/shard-00001.parquet": b"P1-new"})
+    with pytest.raises(Exception, match="403"):
+        publish(str(run), TARGET, only=[1], card=False)
+    assert len([p for p in hub_here.requested("POST") if "/commit/" in p]) == len(commits) + 1 and waits == [1, 2]
+    assert len(hub_here.repos[f"datasets/{REPO_ID}"].commits) == 1
+
+
+def test_a_hub_push_to_a_branch_with_a_fine_grained_token_sends_everything_to_that_branch(run, hub_here, monkeypatch):
+    """`hf://datasets/ORG/NAME@REVISION`: the probe, the upload modes and the commit all name the revision; a
+    fine-grained token (role `fineGrained`, its rights per repo) is let through to the commit, which says."""
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish.push import publish
+
+    hub_here.repos[f"datasets/{REPO_ID}"].revisions["v2"] = {}
+    hub_here.tokens["ftok"] = "fineGrained"
+    monkeypatch.setenv("HF_TOKEN", "ftok")
+    assert publish(str(run), f"{TARGET}@v2", card=False)["files"] == 3
+    posts = hub_here.requested("POST")
+    assert [p for p in posts if "/preupload/" in p] and [p for p in posts if "/commit/" in p]
+    assert all(p.endswith("/v2") for p in posts if "/preupload/" in p or "/commit/" in p), posts
 
 
 @pytest.mark.parametrize(
