@@ -2095,3 +2095,20 @@ def test_an_unknown_tiny_builder_is_one_line_naming_those_the_confs_declare():
     with pytest.raises(ConfigError) as e:
         tiny_family(load_config("tiny", ["model.build=tiny_nope"]))
     assert str(e.value) == f"model.build='tiny_nope' is unknown; builders: {', '.join(declared)} (or null)"
+
+
+def test_the_memory_plan_counts_each_quality_model_that_is_on_and_n_images_a_call():
+    """launcher/sizing: the quality models on a writing rank are counted each when on, whichever else is (the bytes
+    of both are the sum of each alone); a call denoises batch_size x images_per_prompt images, so its working
+    margin doubles with two images a prompt."""
+    from launcher.config import load_config
+    from launcher.sizing.memory import quality_bytes
+    from launcher.sizing.mesh_plan import _activation_gib
+
+    def q(clip: bool, safety: bool) -> int:
+        return quality_bytes(load_config("tiny", [f"quality.clip_score={clip}", f"quality.safety={safety}"]))
+
+    assert q(False, False) == 0 and q(True, False) > 0 and q(False, True) > 0
+    assert q(True, True) == q(True, False) + q(False, True)
+    one, two = (_activation_gib(load_config("tiny", [f"generate.images_per_prompt={n}"])) for n in (1, 2))
+    assert one > 0 and two == pytest.approx(2 * one)
