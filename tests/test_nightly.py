@@ -1113,3 +1113,24 @@ def test_a_hub_source_with_ids_is_unchanged_by_its_files_content_ids(hub, tmp_pa
     push()
     grown, reads = nights.plan()
     assert reads == [[0, 7]] and [s.rows for s in grown.shards] == [4, 4, 2, 1]
+
+
+@pytest.mark.timeout(120)
+def test_duplicates_past_the_first_read_block_are_set_aside_at_their_rows_and_a_plan_never_loops(tmp_path, monkeypatch):
+    """Fixtures past the reader's blocks: the rows set aside after a first read are marked again by their place in
+    the whole source on the next read, whichever block holds them; a plan that found the same rows to set aside
+    again (its marks lost) stops with a line, never planning for ever."""
+    from launcher.sources import prompts_fast, rejected
+
+    monkeypatch.setattr(prompts_fast, "_BLOCK", 160)  # ~3 rows a block
+    src = tmp_path / "a.jsonl"
+    rows = [*ROWS[:7], {"uid": "p001", "prompt": "again"}, ROWS[7], {"uid": "p002", "prompt": "again"}]
+    write(src, rows)
+    nights = _Nights(tmp_path, monkeypatch, src, "dataset.bad_rows=skip")
+    plan, reads = nights.plan()
+    assert len(reads) == 2 and [(r["position"], r["id"]) for r in plan.rejected] == [(7, "p001"), (9, "p002")]
+    assert [s.rows for s in plan.shards] == [4, 4]
+    real = rejected.marked
+    monkeypatch.setattr(rejected, "marked", lambda b, at, late: real(b, at, ()))
+    with pytest.raises(RuntimeError, match=r"^planning set aside source rows 7, 9 and found them again$"):
+        _Nights(tmp_path, monkeypatch, src, "dataset.bad_rows=skip", out=str(tmp_path / "other")).plan()
