@@ -177,6 +177,11 @@ def test_an_edit_call_holds_one_row_with_its_references_at_the_rows_size_and_lin
     assert samples[0]["reference_image"] == {"bytes": refs[0], "path": "r0.png"}  # output.reference_bytes
     cfg.output.reference_bytes = False
     assert "reference_image" not in edit.run_batch(FakePipeline(), edit.shard_batches(rows, cfg)[1], cfg)[0]
+    cfg.generate.reference_fit = "pad"  # docs/guide.md: resized to fit inside, centered on black
+    pipe = FakePipeline()
+    edit.run_batch(pipe, edit.shard_batches(rows, cfg)[0], cfg)
+    padded = pipe.calls[0]["image"][0]  # 8x4 into 48x32: 48x24, 4 rows of black above and below
+    assert padded.getpixel((24, 0)) == (0, 0, 0) and padded.getpixel((24, 16)) == (255, 0, 0)
 
 
 @pytest.mark.parametrize("mode", ["I;16", "I;16L", "I;16B", "I;16N", "I"])
