@@ -458,3 +458,31 @@ def test_the_publish_tools_help_names_its_arguments_and_its_image_flags_exclude_
         capsys.readouterr().out.splitlines()[-1]
         == "s3://b/p: sent 0 files of 0 shards (0 bytes) (the card was up to date)"
     )
+
+
+def test_a_hub_push_sends_the_card_once_and_an_unchanged_card_never_again(run, hub_here):
+    """targets.py: the card is one commit after the shards; the Hub's README.md, the same bytes (its blob id), is
+    not sent again by the next push."""
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish.push import publish
+
+    as_written(run)
+    repo = hub_here.repos[f"datasets/{REPO_ID}"]
+    assert publish(str(run), TARGET)["card"] is True
+    sent = len(repo.commits)
+    assert repo.files["README.md"].startswith(b"---\n") and repo.commits[-1]["header"]["summary"] == (
+        "meshgen: dataset card"
+    )
+    assert publish(str(run), TARGET)["card"] is False and len(repo.commits) == sent
+
+
+def test_the_card_goes_to_the_file_given_or_into_the_run_folder(run, tmp_path):
+    from launcher.publish.card import write_output
+
+    assert write_output(str(run), "README.md", b"card", dest=tmp_path / "elsewhere" / "c.md") == str(
+        tmp_path / "elsewhere" / "c.md"
+    )
+    assert (tmp_path / "elsewhere" / "c.md").read_bytes() == b"card" and not (run / "README.md").exists()
+    write_output(str(run), "README.md", b"card here")
+    assert (run / "README.md").read_bytes() == b"card here"
