@@ -642,6 +642,27 @@ def test_resuming_where_the_weights_are_known_on_one_side_only_is_judged_on_the_
         check_run_json(store, cfg("generate.seed=6", "+generate.sweep={guidance_scale:[1.0,2.0]}"))
 
 
+def test_a_component_whose_weights_were_not_there_when_the_folder_was_made_is_named_with_none_before(tmp_path):
+    """launcher/ledger/runs.py: the weights line names each component that differs, `none` for one that had no
+    weights when the folder was made."""
+    import shutil
+
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_run_json, write_run_json
+    from launcher.ledger.store import Store
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    _pipeline_folder(model, b"transformer weights")
+    shutil.rmtree(model / "vae")
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline", "transformer": ["d", "X"]}))
+    cfg = load_config("tiny", [f"model.path={model}", "model.build=null"])
+    write_run_json(Store(out), cfg, 2)
+    _pipeline_folder(model, b"transformer weights", b"vae weights")
+    with pytest.raises(ConfigError, match=r"the weights of vae changed since output\.dir .* \(vae: none -> sha256 "):
+        check_run_json(Store(out), cfg)
+
+
 def test_the_stale_refusal_names_five_samples_the_count_beyond_and_the_two_ways_out():
     """A run over done shards whose prompts (or references) changed is refused naming the shards, up to five
     changed samples and how many more, and run.stale=regenerate / keep; without an id column, shifted prompts
