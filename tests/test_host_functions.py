@@ -2112,3 +2112,17 @@ def test_the_memory_plan_counts_each_quality_model_that_is_on_and_n_images_a_cal
     assert q(True, True) == q(True, False) + q(False, True)
     one, two = (_activation_gib(load_config("tiny", [f"generate.images_per_prompt={n}"])) for n in (1, 2))
     assert one > 0 and two == pytest.approx(2 * one)
+
+
+def test_the_mesh_line_of_a_chip_of_unknown_memory_says_so():
+    """docs/guide.md's mesh line (`# mesh: dp=1 tp=8 (v6e, 32 GiB per chip; per rank: ...)`), for a chip whose
+    memory is not known: `?` in its place, and the parts' bytes per rank still."""
+    from launcher.sizing import memory
+    from launcher.sizing.mesh_plan import Chip, MeshPlan
+
+    per_rank = {"transformer": 3 * memory.GIB, "text_encoder": memory.GIB, "vae": memory.GIB // 4}
+    plan = MeshPlan(1, 2, Chip("a future chip", None, 4), per_rank)
+    assert plan.line() == (
+        "# mesh: dp=1 tp=2 (a future chip, ? GiB per chip; per rank: transformer 3.0 GiB, text_encoder 1.0 GiB, "
+        "vae 0.2 GiB)"
+    )
