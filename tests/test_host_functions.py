@@ -2126,3 +2126,21 @@ def test_the_mesh_line_of_a_chip_of_unknown_memory_says_so():
         "# mesh: dp=1 tp=2 (a future chip, ? GiB per chip; per rank: transformer 3.0 GiB, text_encoder 1.0 GiB, "
         "vae 0.2 GiB)"
     )
+
+
+def test_a_dry_run_says_when_it_cannot_fingerprint_weights_not_here_yet(tiny_model, empty_cache):
+    """launcher/checks/preflight.py: a dry run of a hub id this host has not downloaded says, in one note, that the
+    real run fingerprints the weights once they are here; not where they are here, and never in a real run."""
+    from launcher.checks.preflight import Preflight, weights
+    from launcher.config import load_config
+
+    def notes(path: str, dry_run: bool) -> list[str]:
+        pf = Preflight(load_config("tiny", [f"model.path={path}", "model.build=null"]), dry_run=dry_run)
+        weights(pf)
+        return pf.notes
+
+    assert notes("org/not-here-yet", True) == [
+        "# weights: org/not-here-yet is not on this host yet, so this dry run cannot fingerprint them; the real run "
+        "does once they are here, and refuses a folder made with other weights then"
+    ]
+    assert notes(str(tiny_model), True) == [] and notes("org/not-here-yet", False) == []
