@@ -2144,3 +2144,25 @@ def test_a_dry_run_says_when_it_cannot_fingerprint_weights_not_here_yet(tiny_mod
         "does once they are here, and refuses a folder made with other weights then"
     ]
     assert notes(str(tiny_model), True) == [] and notes("org/not-here-yet", False) == []
+
+
+def test_a_run_whose_images_would_not_fit_says_so_once_before_it_starts(tmp_path, monkeypatch, caplog):
+    """launcher/sizing/space.py: the free space where the output lives against the images the run makes (its bytes
+    estimate_bytes says): one warning when short, none when they fit or where no free space is known (S3)."""
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.sizing import space
+
+    cfg, store = load_config("tiny"), Store(tmp_path)
+    need = space.estimate_bytes(cfg, 10)
+    for free, said in ((need - 1, True), (need, False), (None, False)):
+        monkeypatch.setattr(space, "free_bytes", lambda s, f=free: f)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            space.warn_if_short(cfg, store, 10)
+        lines = [r.getMessage() for r in caplog.records]
+        assert bool(lines) is said, lines
+        if said:
+            assert lines[0].startswith(f"{store} has ") and ", but the 10 images to generate need about " in lines[0]
+            assert lines[0].endswith("; the run will stop when it is full")
+    assert space.estimate_bytes(cfg, 20) == 2 * need > 0
