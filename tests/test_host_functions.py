@@ -2166,3 +2166,41 @@ def test_a_run_whose_images_would_not_fit_says_so_once_before_it_starts(tmp_path
             assert lines[0].startswith(f"{store} has ") and ", but the 10 images to generate need about " in lines[0]
             assert lines[0].endswith("; the run will stop when it is full")
     assert space.estimate_bytes(cfg, 20) == 2 * need > 0
+
+
+class _FlatConfig:
+    @staticmethod
+    def from_dict(values: dict):
+        import types
+
+        return types.SimpleNamespace(**values)
+
+
+class KeepsFloat32:
+    """A transformers-style model (built from its config class) that keeps `wo` in float32 for float16 only and
+    `gate` in float32 for every half type, as transformers' `_keep_in_fp32_modules(_strict)` say."""
+
+    config_class = _FlatConfig
+
+    def __new__(cls, config):  # a plain torch module, built where the count builds it (the meta device)
+        import torch
+
+        model = torch.nn.Module()
+        model.config = config
+        model.wo, model.gate, model.other = (torch.nn.Linear(i, o, bias=False) for i, o in ((4, 8), (2, 3), (5, 5)))
+        model._keep_in_fp32_modules, model._keep_in_fp32_modules_strict = ["wo"], ["gate"]
+        return model
+
+
+def test_weights_kept_in_float32_are_counted_at_four_bytes_in_the_half_types_that_keep_them(tmp_path, monkeypatch):
+    """launcher/sizing/memory.py: `_keep_in_fp32_modules` are float32 in float16 only, `_keep_in_fp32_modules_strict`
+    in float16 and bfloat16 (transformers' loading rules); the rest at the dtype's bytes."""
+    from launcher.sizing import memory
+
+    monkeypatch.setenv("MESHGEN_CACHE_DIR", str(tmp_path))  # counted here, not read from an earlier count
+
+    c = memory.counts(("test_host_functions", "KeepsFloat32", {"size": 1}))
+    assert (c.total, c.fp32_half, c.fp32_strict) == (32 + 6 + 25, 32, 6)
+    assert c.rank_bytes(1, "float32", False) == 63 * 4
+    assert c.rank_bytes(1, "bfloat16", False) == 63 * 2 + 6 * 2
+    assert c.rank_bytes(1, "float16", False) == 63 * 2 + (6 + 32) * 2
