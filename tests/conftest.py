@@ -110,6 +110,19 @@ def _counts_and_hashes_cached_in_a_folder_of_this_run() -> None:
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _counts_afresh_under_each_mutant(tmp_path_factory):
+    """Under `make mutants` each mutant's tests run in a session of their own: there the cache starts empty, so a
+    mutant of the counting or hashing code is judged by what it counts, not by what the clean run cached."""
+    if not os.environ.get("MUTANT_UNDER_TEST"):
+        yield
+        return
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MESHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("meshgen-cache")))
+    yield
+    patch.undo()
+
+
 class _CurrentStderr:
     """sys.stderr as it is at each write, not as it was when a handler was made."""
 
