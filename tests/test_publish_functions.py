@@ -398,6 +398,7 @@ def test_a_run_pushes_its_shards_as_they_are_done_and_the_rest_and_the_card_at_t
     pub.offer([0])
     until(lambda: pub.sent == {0})
     assert (site / "data" / "shard-00000.parquet").exists() and not (site / "data" / "shard-00001.parquet").exists()
+    assert not (site / "README.md").exists()  # the card at the end, once: not with each shard
     pub.offer([0, 1])
     until(lambda: pub.sent == {0, 1})
     assert pub.finish() is None and (site / "README.md").exists()
