@@ -538,6 +538,28 @@ def test_a_failed_shards_state_names_the_error_its_class_and_the_batchs_samples(
     assert truncated == []
 
 
+def test_a_failure_in_a_step_of_no_batch_fails_its_shard_naming_no_samples(monkeypatch, tmp_path):
+    """launcher/worker/runner.py: a step that belongs to no batch (execution.staged encodes a shard's prompts before
+    any batch) fails its shard like any other, its state naming the error and no samples."""
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    w, _ = shard_worker(monkeypatch, tmp_path, overrides=["generate.images_per_prompt=1"])
+
+    def encode(**_):
+        raise RuntimeError("the text encoder is out of memory")
+
+    def steps(*args, **kwargs):
+        yield None, encode
+
+    monkeypatch.setattr(runner, "shard_steps", steps)
+    assert not runner.run_shard(w, Shard(1, ({"id": "a", "prompt": "p"},), "fp"))
+    [job] = w.writer.jobs
+    assert job.state["status"] == "failed"
+    assert job.state["error"] == "RuntimeError: the text encoder is out of memory (shard 1)"  # no rows named
+    assert "samples" not in job.state and w.writer.added == []
+
+
 def test_an_injected_failure_fails_its_shard_on_the_last_tp_rank_only(monkeypatch, tmp_path):
     from launcher.plan.shards import Shard
     from launcher.worker import runner
