@@ -933,3 +933,14 @@ def test_factors_refuse_what_would_fuse_only_in_part(loras, tmp_path):
         and why.split(" ", 1)[0].removeprefix("transformer.") in FAMILY["flux2"][2]["transformer"]
     )
     assert why.endswith(" is not a plain LoRA on a linear layer (DoRA, lora bias or another layer)")
+
+
+def test_a_staged_step_sets_its_batchs_lora_scales_and_passes_the_warm_ups_step_count():
+    """launcher/worker/staged.py: each staged denoise step first sets its batch's LoRA scales, then calls the job
+    with what the runner passes (the compile warm-up passes num_inference_steps as a keyword)."""
+    from launcher.worker.staged import _with_scales
+
+    calls = []
+    batch = types.SimpleNamespace(lora_scales=(0.5,))
+    got = _with_scales(calls.append, batch, lambda *a, **k: (a, k), "pipe", batch, num_inference_steps=1)
+    assert calls == [(0.5,)] and got == (("pipe", batch), {"num_inference_steps": 1})
