@@ -925,6 +925,10 @@ def test_factors_refuse_what_would_fuse_only_in_part(loras, tmp_path):
     encoder_only = {k: v for k, v in sd.items() if k.startswith("text_encoder.")}
     assert refusal(extra | encoder_only).startswith(f"2 of its {len(encoder_only) + 2} keys match no layer")
     assert refusal(extra) == "none of its keys matches a module of the model (components it names: transformer)"
+    for component in ("transformer", "text_encoder"):  # each library words a shape mismatch its own way
+        key = next(k for k in sd if k.startswith(f"{component}.") and k.endswith("lora_A.weight"))
+        why = refusal(sd | {key: torch.zeros(4, sd[key].shape[1] + 8)})
+        assert why.startswith(f"its {component} factors' shapes do not match the model's layers ("), why
     key = "transformer.transformer_blocks.0.attn.to_q"
     dora = sd | {f"{key}.lora_magnitude_vector": torch.ones(sd[f"{key}.lora_B.weight"].shape[0])}
     why = refusal(dora)  # diffusers turns DoRA on for the whole adapter: the first of its layers is named

@@ -129,7 +129,8 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
                     )
         except (RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            if "size mismatch" in str(e) or "shape" in str(e).lower():
+            said = str(e).lower()  # torch, PEFT and transformers each word a shape mismatch their own way
+            if "size mismatch" in said or "shape" in said or "mismatched_sizes" in said:
                 raise LoraError(f"its {name} factors' shapes do not match the model's layers ({first})") from None
             if "not found in the base model" in str(e) or "Target modules" in str(e):
                 continue  # no module of this component matches: judged over all components below
