@@ -2204,3 +2204,23 @@ def test_weights_kept_in_float32_are_counted_at_four_bytes_in_the_half_types_tha
     assert c.rank_bytes(1, "float32", False) == 63 * 4
     assert c.rank_bytes(1, "bfloat16", False) == 63 * 2 + 6 * 2
     assert c.rank_bytes(1, "float16", False) == 63 * 2 + (6 + 32) * 2
+
+
+def test_a_component_is_complete_by_its_weight_files_whatever_its_index_files_hold(tmp_path):
+    """launcher/sizing/model_files.py: a component folder is complete when one index has all its shards, or a
+    weight file stands alone; an index with no weight_map (another format's, a damaged one) maps nothing."""
+    from launcher.errors import ConfigError
+    from launcher.sizing.model_files import check_components
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "P", "transformer": ["diffusers", "T"]}))
+    part = tmp_path / "transformer"
+    part.mkdir()
+    (part / "config.json").write_text("{}")
+    (part / "other.index.json").write_text(json.dumps({"metadata": {}}))
+    (part / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m-1.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"transformer/ lacks weight files \['m-1\.safetensors'\]; download"):
+        check_components("org/p", tmp_path)
+    (part / "m-1.safetensors").write_bytes(b"w")
+    check_components("org/p", tmp_path)
+    (part / "model.safetensors.index.json").unlink()
+    check_components("org/p", tmp_path)  # m-1 now stands alone

@@ -64,6 +64,7 @@ def check_components(path: str, root: Path) -> None:
         # Complete if one index has all its shards (a repo may also carry the index of a format not downloaded),
         # or if there is a weight file no index refers to.
         maps = [set(read_json(i).get("weight_map", {}).values()) for i in folder.glob("*.index*.json")]
+        maps = [m for m in maps if m]  # an index that names no shard (damaged, or not one) vouches for nothing
         missing = [sorted(s for s in m if not (folder / s).exists()) for m in maps]
         standalone = [
             f
