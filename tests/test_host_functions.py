@@ -2224,3 +2224,18 @@ def test_a_component_is_complete_by_its_weight_files_whatever_its_index_files_ho
     check_components("org/p", tmp_path)
     (part / "model.safetensors.index.json").unlink()
     check_components("org/p", tmp_path)  # m-1 now stands alone
+
+
+def test_the_largest_part_counts_where_the_parts_take_turns_also_when_it_is_the_text_encoder():
+    """docs/guide.md: with execution.staged the text encoder and the transformer take turns on the chip (the VAE
+    stays), with model offload each component goes on alone: the larger of those that take turns counts, also where
+    that is the text encoder."""
+    from omegaconf import OmegaConf
+
+    from launcher.sizing import memory
+    from launcher.sizing.mesh_plan import need_gib
+
+    per_rank = {"transformer": 6 * memory.GIB, "text_encoder": 10 * memory.GIB, "vae": memory.GIB}
+    for execution, weights in (({"offload": "none", "staged": True}, 10 + 1), ({"offload": "model"}, 10)):
+        cfg = OmegaConf.create({"generate": {"batch_size": 1, "height": 1024, "width": 1024}, "execution": execution})
+        assert need_gib(cfg, per_rank) == weights + 2.0  # + 2 GiB per megapixel of a batch
