@@ -242,3 +242,21 @@ def test_lines_are_numbered_past_a_line_too_long_or_not_utf8_and_on_from_an_offs
     plain = tmp_path / "q.txt"
     plain.write_bytes(b"a\nb\r\nc\n" + b"d\n")
     assert shown(_lines(str(plain), 7)) == [(4, "d")]
+
+
+def test_an_edit_sources_reference_column_is_read_from_a_saved_dataset_and_from_parquet_alike(tmp_path):
+    """launcher/sources/references.py: a `save_to_disk` folder's reference column is read row by row as a Parquet
+    file's is, each value with its row; a folder without the column is refused naming the column and those found."""
+    import datasets
+
+    from launcher.sources.references import column_rows
+
+    rows = {"prompt": ["a", "b", "c"], "image": ["r0.png", ["r1.png", "r2.png"], "r3.png"]}
+    rows["image"] = [json.dumps(v) if isinstance(v, list) else v for v in rows["image"]]
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    pq.write_table(pa.table(rows), tmp_path / "p.parquet")
+    for f in (tmp_path / "saved", tmp_path / "p.parquet"):
+        got = [(n, v) for _, n, v in column_rows(str(f), "image")]
+        assert got == list(enumerate(rows["image"])), f
+    with pytest.raises(ConfigError, match=r"has no image column 'picture' \(dataset\.image_column\); columns found: "):
+        list(column_rows(str(tmp_path / "saved"), "picture"))
