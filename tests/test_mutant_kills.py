@@ -2929,3 +2929,14 @@ def test_the_card_names_its_features_its_sweep_and_its_encoding(tmp_path):
     assert "- images: webp (lossless), stored as the `image` column's bytes" in text
     assert "every prompt at 2 combinations of settings" in text and "`<base id>@<v>`" in text
     assert "v = 0: guidance_scale=2.5; 1: guidance_scale=4.0" in text
+
+
+def test_a_states_token_is_its_attempt_else_its_finish_time_else_its_run():
+    """launcher/ledger/states.py: what tells one written state from another without comparing clocks: the attempt
+    that wrote it; a state from before attempts were recorded by its own finish time, or else by its run id."""
+    from launcher.ledger.states import state_token
+
+    assert state_token({"attempt": "run-1:g2", "finished_at": 1.5, "run_id": "run-1"}) == "run-1:g2"
+    assert state_token({"finished_at": 1.5, "run_id": "run-1"}) == "1.5"
+    assert state_token({"status": "done", "run_id": "run-1"}) == "run-1"
+    assert state_token({"status": "done"}) is None and state_token(None) is None
