@@ -2940,3 +2940,27 @@ def test_a_states_token_is_its_attempt_else_its_finish_time_else_its_run():
     assert state_token({"finished_at": 1.5, "run_id": "run-1"}) == "1.5"
     assert state_token({"status": "done", "run_id": "run-1"}) == "run-1"
     assert state_token({"status": "done"}) is None and state_token(None) is None
+
+
+def test_non_finite_values_in_a_numpy_output_name_their_samples_as_a_tensors_do():
+    """jobs/text_to_image.py check_finite: values one per image, as a torch tensor or a numpy array (a pipeline's
+    `np` output): the samples with a NaN or an inf anywhere are named, the padding past the batch's real samples
+    is not looked at."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from jobs.text_to_image import NonFiniteOutput, check_finite
+
+    batch = types.SimpleNamespace(image_ids=lambda: ["a-0", "a-1", "b-0"])
+    values = np.zeros((4, 2, 3, 3), np.float32)  # 3 real samples and one of padding
+    values[3, 0, 0, 0] = np.nan
+    for v in (values, torch.from_numpy(values)):
+        check_finite(batch, v, "vae")  # the padding's NaN is not a sample's
+    values[1, 1, 2, 2], values[2, 0, 0, 1] = np.inf, np.nan
+    for v in (values, torch.from_numpy(values)):
+        with pytest.raises(NonFiniteOutput, match=r"^the vae gave non-finite values \(NaN or inf\) for sample 'a-1', "):
+            check_finite(batch, v, "vae")
+        with pytest.raises(NonFiniteOutput, match=r"'a-1', 'b-0' \(2 of 3 in the batch\)"):
+            check_finite(batch, v, "vae")
