@@ -14,8 +14,9 @@ mutants/mutmut-stats.json until that list changes) records which of those tests 
 only those, so each room gets the tests that cover it without a list per room. A room is chosen by a mutant-name glob
 (`launcher.worker.*`), which also makes mutmut run that room's mutants again even where an earlier run left a result.
 `--again` names instead the room's mutants that the last run left alive, without a test, suspicious or not checked
-(after new tests, minutes instead of the room's hour); a function changed since then gets new mutants at that run, which
-the next `--again` runs. A change of pyproject's test list makes mutmut forget every result: then run the room whole.
+(after new tests, minutes instead of the room's hour); a function changed since then gets new mutants as that run
+starts, which it then runs too. A change of pyproject's test list makes mutmut forget every result: then run the room
+whole.
 """
 
 from __future__ import annotations
@@ -216,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"room {r}: the last run killed every mutant", flush=True)
                 continue
             walls[r] = run(r, args.max_children, names)
+            # mutmut makes a changed function's mutants anew as the run starts: names the list above could not hold
+            fresh = [n for n, v in verdicts(r).items() if v == "not checked"] if args.again else []
+            if fresh:
+                walls[r] += run(r, args.max_children, fresh)
             print(f"room {r}: {walls[r] / 60:.1f} min", flush=True)
     print(table(walls))
     return 0
