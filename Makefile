@@ -47,7 +47,8 @@ test: venv
 # refuses it first. Not part of `make test`.
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
 # room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs
-# only the room's mutants that the last run did not kill (after new tests).
+# only the room's mutants that the last run did not kill (after new tests); `ARGS="--sample 20"` shows a seeded
+# draw of its survivors, each with its change, to judge by hand (docs/mutation-audit.md).
 ROOM ?= all
 ARGS ?=
 mutants: venv
