@@ -36,6 +36,8 @@ _WHERE = re.compile(r"^dataset (.*), (?:line|row) (\d+)$")
 class Recheck(Exception):  # noqa: N818  (not an error: planning reads the source again with more rows set aside)
     """Rows found bad only once every row was read (an id that another row has too): plan again without them."""
 
+    late: tuple[tuple[int, str], ...]  # declared: a mutated __init__ (make mutants) must not change its type elsewhere
+
     def __init__(self, late: tuple[tuple[int, str], ...]):
         super().__init__(f"{len(late)} rows to set aside")
         self.late = late
