@@ -1120,6 +1120,7 @@ def test_duplicates_past_the_first_read_block_are_set_aside_at_their_rows_and_a_
     """Fixtures past the reader's blocks: the rows set aside after a first read are marked again by their place in
     the whole source on the next read, whichever block holds them; a plan that found the same rows to set aside
     again (its marks lost) stops with a line, never planning for ever."""
+    from launcher.errors import ConfigError
     from launcher.sources import prompts_fast, rejected
 
     monkeypatch.setattr(prompts_fast, "_BLOCK", 160)  # ~3 rows a block
@@ -1132,5 +1133,22 @@ def test_duplicates_past_the_first_read_block_are_set_aside_at_their_rows_and_a_
     assert [s.rows for s in plan.shards] == [4, 4]
     real = rejected.marked
     monkeypatch.setattr(rejected, "marked", lambda b, at, late: real(b, at, ()))
-    with pytest.raises(RuntimeError, match=r"^planning set aside source rows 7, 9 and found them again$"):
+    with pytest.raises(ConfigError, match=r"^planning set aside source rows 7, 9 and found them again: a bug of "):
         _Nights(tmp_path, monkeypatch, src, "dataset.bad_rows=skip", out=str(tmp_path / "other")).plan()
+
+
+def test_a_new_files_id_that_a_grown_files_old_part_holds_is_set_aside_in_the_new_file(tmp_path, monkeypatch):
+    """dataset.bad_rows=skip: a row planned before is never the one set aside. A file that grew keeps its old
+    rows (they are not read again); a new file listed before it that repeats one of their ids is the duplicate:
+    set aside there, at its own place, once (before, the old row was set aside, never to be read again to mark it,
+    and planning went on for ever)."""
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "b.jsonl", ROWS[:6])
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
+    nights.plan()
+    append(d / "b.jsonl", [{"uid": "q1", "prompt": "new"}])
+    write(d / "a.jsonl", [{"uid": "p002", "prompt": "again"}])  # listed first: position 0
+    plan, reads = nights.plan()
+    assert [(r["position"], r["id"]) for r in plan.rejected] == [(0, "p002")] and len(reads) == 4
+    assert plan.rejected[0]["reason"].startswith(f"dataset {d / 'a.jsonl'}: duplicate id 'p002' (also row 2 of ")

@@ -150,14 +150,19 @@ def _position(staged, f: str, row: int) -> int:
 
 
 def _doubles(staged, doubles: np.ndarray, out) -> list[tuple[int, str]]:
-    """Ids read twice this time: the first place of each, and every later one named."""
+    """Ids read twice this time: the first place of each (a row planned before first), and every later one named."""
     hs, rows = pa.array(doubles, pa.uint64()), []
     for f in staged_changed(staged):
         m = pq.read_table(staged.names[staged.data["files"][f]["map"]], columns=["row", "id", "h"])
         m = m.filter(pc.is_in(m["h"], value_set=hs))
         rows += [(f, r["row"], r["id"]) for r in m.to_pylist()]
     order = {f: k for k, f in enumerate(staged.data["files"])}
-    rows.sort(key=lambda r: (order[r[0]], r[1]))
+
+    def known(f: str, row: int) -> bool:  # a grown file's old rows: planned before, never read again to be set aside
+        parts = staged.data["files"][f].get("parts")
+        return bool(parts) and row < parts[-1][1]
+
+    rows.sort(key=lambda r: (not known(r[0], r[1]), order[r[0]], r[1]))
     first, late = {}, []
     for f, row, rid in rows:
         stem = stems(pa.array([rid]))[0].as_py()

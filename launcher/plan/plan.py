@@ -152,7 +152,8 @@ def make_plan(cfg, states: dict[int, dict], sizes: SizeRule | None = None, store
         except rejected_mod.Recheck as again:  # ids found twice once all were read: plan once more without them
             if set(again.late) <= set(src.late):  # none new: planning again would find them again, for ever
                 rows = ", ".join(str(p) for p, _ in again.late[:5])
-                raise RuntimeError(f"planning set aside source rows {rows} and found them again") from None
+                msg = f"planning set aside source rows {rows} and found them again: a bug of meshgen's"
+                raise ConfigError(msg) from None
             src = replace(src, late=again.late)
 
 
