@@ -90,24 +90,32 @@ def pytest_configure(config) -> None:
     worth judged "timeout" after the first). Each of those processes gets a lock of its own."""
     _cache_compositions()
     _libraries_log_to_the_current_stderr()
-    _counts_and_hashes_cached_in_a_folder_of_this_run()
+    _counts_and_hashes_cached_in_a_folder_of_this_run(config)
     if os.environ.get("MUTANT_UNDER_TEST"):
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())
 
 
-def _counts_and_hashes_cached_in_a_folder_of_this_run() -> None:
-    """The launcher caches parameter counts and file hashes in ~/.cache/meshgen (launcher/sizing/memory.py): the
-    suite's go to a folder of its own, as every process it starts inherits, so no test reads what an earlier run
-    (or a mutant's test, writing under a mutated name) left in the user's cache, and none writes there."""
-    import atexit
+def _counts_and_hashes_cached_in_a_folder_of_this_run(config) -> None:
+    """The launcher caches parameter counts and file hashes in ~/.cache/meshgen or MESHGEN_CACHE_DIR
+    (launcher/sizing/memory.py): the suite's go to a folder of its own, which every process it starts inherits
+    (xdist's workers share their controller's), so no test reads what an earlier run, the user or a mutant's test
+    (writing under a mutated name) left in a cache, and none writes there."""
     import shutil
     import tempfile
 
-    if "MESHGEN_CACHE_DIR" not in os.environ:
-        os.environ["MESHGEN_CACHE_DIR"] = folder = tempfile.mkdtemp(prefix="meshgen-test-cache-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    ours = Path(tempfile.gettempdir()) / "meshgen-test-cache-"
+    if not os.environ.get("MESHGEN_CACHE_DIR", "").startswith(str(ours)):  # none yet, or the user's
+        folder = tempfile.mkdtemp(prefix=ours.name)
+        before = os.environ.get("MESHGEN_CACHE_DIR")
+        os.environ["MESHGEN_CACHE_DIR"] = folder
+
+        def restore() -> None:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.environ.pop("MESHGEN_CACHE_DIR") if before is None else os.environ.update(MESHGEN_CACHE_DIR=before)
+
+        config.add_cleanup(restore)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -117,8 +125,11 @@ def _counts_afresh_under_each_mutant(tmp_path_factory):
     if not os.environ.get("MUTANT_UNDER_TEST"):
         yield
         return
+    import launcher.hashes
+
     patch = pytest.MonkeyPatch()
     patch.setenv("MESHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("meshgen-cache")))
+    patch.setattr(launcher.hashes, "_MEMO", {})  # the in-memory hashes too: a mutant's process is forked, filled
     yield
     patch.undo()
 
