@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.kinds:
         print(kinds_table(rooms))
         return 0
-    if args.sample:
+    if args.sample is not None:
+        if args.sample < 1:
+            print(f"error: --sample {args.sample}: draw at least 1 mutant", file=sys.stderr)
+            return 2
         print("\n\n".join(sample(r, args.sample, args.seed) for r in rooms))
         return 0
     if args.survivors:  # `mutmut show NAME` shows one

@@ -10,8 +10,9 @@ the room's no-test mutants (the same one for the same seed and verdicts) and run
 reach its module (E2E below), from mutants/ with MUTANT_UNDER_TEST set: every process a test starts inherits it, and
 launch.sh there puts the mutated code first on PYTHONPATH. A control run with no mutant active must pass first.
 The counts estimate the share of the room's no-test mutants that the suite kills; results go to
-mutants/e2e-ROOM.json. `--survivors` samples the mutants that survived their fast tests as well: code that a fast
-test enters but whose launched paths (tp > 1, a second host, torchrun's agent) only a launch takes.
+mutants/e2e-ROOM.json. `--survivors` samples the mutants that survived their fast tests as well (code that a fast
+test enters but whose launched paths, tp > 1, a second host, torchrun's agent, only a launch takes), into
+mutants/e2e-ROOM-survivors.json: its counts are of that mix, not of the no-test mutants alone.
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--survivors", action="store_true", help="sample the survivors too, not only no-test ones")
     args = parser.parse_args(argv)
-    kinds = ("no tests", "survived") if args.survivors else ("no tests",)
-    no_tests = sorted(name for name, v in verdicts(args.room).items() if v in kinds)
-    if not no_tests:
-        print(f"room {args.room}: no mutant without a test (run `make mutants ROOM={args.room}` first)")
+    kinds = ("no tests", "survived", "suspicious") if args.survivors else ("no tests",)
+    pool = sorted(name for name, v in verdicts(args.room).items() if v in kinds)
+    if not pool:
+        print(f"room {args.room}: no mutant {' or '.join(kinds)} (run `make mutants ROOM={args.room}` first)")
         return 0
-    sample = random.Random(args.seed).sample(no_tests, min(args.n, len(no_tests)))
+    sample = random.Random(args.seed).sample(pool, min(args.n, len(pool)))
     with server_pool(1) as servers:
         env = {**os.environ, **servers, "OMP_NUM_THREADS": "1"}
         controls = {}
@@ -102,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             verdict, took = pytest(mutant, tests, env, timeout_s=4 * controls[tuple(tests)] + 30)
             results[mutant] = {"verdict": verdict, "seconds": round(took, 1), "tests": tests}
             print(f"[{i}/{len(sample)}] {verdict:8} {took:6.1f} s  {mutant}", flush=True)
-    (REPO / "mutants" / f"e2e-{args.room}.json").write_text(json.dumps(results, indent=1) + "\n")
+    name = f"e2e-{args.room}-survivors.json" if args.survivors else f"e2e-{args.room}.json"
+    (REPO / "mutants" / name).write_text(json.dumps(results, indent=1) + "\n")
     killed = sum(r["verdict"] in ("killed", "timeout") for r in results.values())
     print(
         f"room {args.room}: {killed} of {len(sample)} sampled {' or '.join(kinds)} mutants killed by launched tests "
-        f"({len(no_tests)} such mutants in the room)"
+        f"({len(pool)} such mutants in the room)"
     )
     return 0
 
