@@ -979,8 +979,9 @@ def test_ids_whose_hashes_collide_are_still_told_apart(tmp_path, monkeypatch):
 
 def test_a_one_bit_edit_anywhere_in_a_string_or_its_length_changes_its_hash():
     """An edited row is found by its hash alone (launcher/ids/rowhash.py): strings of lengths around each word and
-    the 256 bytes hashed word by word, each with every bit of every byte flipped in turn, or one byte longer,
-    all hash apart; and a string hashes alike at any place of a sliced column (a reader's batch is a slice)."""
+    the 256 bytes hashed word by word, each with each of the 7 bits of each (ASCII) byte flipped in turn, or one
+    byte longer, all hash apart; and a string hashes alike at any place of a sliced column (a reader's batch is a
+    slice)."""
     from launcher.ids.rowhash import row_hashes
 
     def hashes_of(prompts: pa.Array) -> list:

@@ -311,7 +311,9 @@ def test_a_hub_commit_answered_5xx_waits_1_then_2_s_and_one_answered_403_is_not_
     commits = [p for p in hub_here.requested("POST") if "/commit/" in p]
     hub_here.refuse_commits = True
     shard(run, 1, {"data/shard-00001.parquet": b"P1-new"})
-    with pytest.raises(Exception, match="403"):
+    from huggingface_hub.errors import HfHubHTTPError
+
+    with pytest.raises(HfHubHTTPError, match="403"):
         publish(str(run), TARGET, only=[1], card=False)
     assert len([p for p in hub_here.requested("POST") if "/commit/" in p]) == len(commits) + 1 and waits == [1, 2]
     assert len(hub_here.repos[f"datasets/{REPO_ID}"].commits) == 1

@@ -719,21 +719,24 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
 
     out, recorded = load_config("tiny").output, []
     writer = BackgroundWriter(Stuck(tmp_path), out, 1, recorded.append)
+    try:
 
-    def writers() -> list:  # the writer process (multiprocessing's resource tracker is a child too)
-        return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        def writers() -> list:  # the writer process (multiprocessing's resource tracker is a child too)
+            return [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
 
-    first = writers()
-    assert len(first) == 1
-    first[0].kill()
-    first[0].wait(30)
-    writer.add(0, "shard-00000", samples(["a", "b"], 0, first=0))
-    writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
-    writer.add(1, "shard-00001", samples(["c"], 1, first=0))
-    end = samples(["e", "d"], 2)  # handed over with its end, out of order: `order` puts them in place
-    writer.submit(ShardJob(1, "shard-00001", end, {"status": "done", "rows": 3, "seconds": 1.0}, {"d": 1, "e": 2}))
-    with caplog.at_level("INFO", logger="meshgen.shards"):
-        writer.close()
+        first = writers()
+        assert len(first) == 1
+        first[0].kill()
+        first[0].wait(30)
+        writer.add(0, "shard-00000", samples(["a", "b"], 0, first=0))
+        writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
+        writer.add(1, "shard-00001", samples(["c"], 1, first=0))
+        end = samples(["e", "d"], 2)  # handed over with its end, out of order: `order` puts them in place
+        writer.submit(ShardJob(1, "shard-00001", end, {"status": "done", "rows": 3, "seconds": 1.0}, {"d": 1, "e": 2}))
+        with caplog.at_level("INFO", logger="meshgen.shards"):
+            writer.close()
+    finally:
+        writer.close()  # again, after a failed assertion: its process never outlives the test (a no-op once closed)
     failed = json.loads((tmp_path / "state" / "shard-00000.json").read_text())
     assert failed["status"] == "failed" and failed["error_class"] == "BrokenProcessPool", failed
     assert failed["error"].startswith("BrokenProcessPool while writing: ")
