@@ -67,7 +67,7 @@ def _finish(out, staged, new, spill, candidates, vanished, deltas, index, files,
     if late:
         if out.skip:
             raise rejected.Recheck(tuple(sorted({*out.late, *((p, why) for p, why, *_ in late)})))
-        _refuse(out, late[0])
+        _refuse(out, min(late, key=lambda d: d[0]))  # the first in the source, whichever check found it
     for f, rows in patch.items():
         _patch(staged, f, rows)
     _shards(out, staged, new, deltas, legacy_tables)
