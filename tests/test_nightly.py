@@ -1007,6 +1007,7 @@ def test_a_one_bit_edit_anywhere_in_a_string_or_its_length_changes_its_hash():
     [
         (pa.array(["a", "bb", None], pa.large_string()), "cc"),
         (pa.array([1, 2, None], pa.int32()), 3),
+        (pa.array([2**64 - 1, 2**63, None], pa.uint64()), 5),  # past int64's maximum: hashed, not refused
         (pa.array([0.5, 1.5, None], pa.float32()), 2.5),
         (pa.array([True, False, None]), True),
         (pa.array([[1], [2, 3], None], pa.list_(pa.int64())), [2, 4]),

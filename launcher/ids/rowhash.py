@@ -35,7 +35,7 @@ def _column_hash(col: pa.Array) -> np.ndarray:
     if pa.types.is_large_string(col.type):
         return _string_hash(col.cast(pa.string()))
     if pa.types.is_integer(col.type):  # nulls filled (they are masked): the dtype must not depend on them
-        values = pd.Series(col.cast(pa.int64()).fill_null(0).to_numpy())
+        values = pd.Series(col.cast(pa.int64(), safe=False).fill_null(0).to_numpy())  # a uint64 past 2**63 wraps
     elif pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
         values = pd.Series(col.cast(pa.float64()).fill_null(0).to_numpy())  # a bool column takes no 0 as a null
     else:  # a kept column of another type (lists, structs): its values as text
