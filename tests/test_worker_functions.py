@@ -585,6 +585,7 @@ def test_the_writer_processs_functions_in_this_process(encode_workers, tmp_path,
     from types import SimpleNamespace
 
     import pyarrow.parquet as pq
+    from conftest import pixels
     from omegaconf import OmegaConf
     from test_runtime_bounds import _samples as samples
 
@@ -607,14 +608,14 @@ def test_the_writer_processs_functions_in_this_process(encode_workers, tmp_path,
         pool = wp._OUT["encoders"]
         assert (pool._max_workers if pool else 1) == encode_workers and (pool is None) == (encode_workers == 1)
         first, second = samples(["a", "b"], 0, first=0), samples(["c"], 1, first=2)
-        pixels = [s["pixels"].copy() for s in (*first, *second)]
+        made = [s["pixels"].copy() for s in (*first, *second)]
         wp._add_batch("shard-00000", first)
         wp._add_batch("shard-00000", second)
         assert not (tmp_path / "data" / "shard-00000.parquet").exists()  # not before its end
         got = wp._finish("shard-00000")
         rows = pq.read_table(tmp_path / "data" / "shard-00000.parquet").to_pylist()
         assert [r["id"] for r in rows] == ["a", "b", "c"]
-        assert [np.asarray(pixels_of(r["image"]["bytes"])).tolist() for r in rows] == [p.tolist() for p in pixels]
+        assert [pixels(r["image"]["bytes"]).tolist() for r in rows] == [p.tolist() for p in made]
         assert sorted(got["files"]) == [
             "data/shard-00000.parquet",
             *(f"images/shard-00000/{i}.png" for i in "abc"),
@@ -636,14 +637,6 @@ def test_the_writer_processs_functions_in_this_process(encode_workers, tmp_path,
     finally:
         wp._stop_encoders()
     assert "encoders" not in wp._OUT
-
-
-def pixels_of(data: bytes):
-    import io
-
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_its_files(tmp_path, caplog):
