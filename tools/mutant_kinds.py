@@ -70,28 +70,30 @@ def kind_of(orig: str, lines: set[int]) -> str:
     return "behaviour" if "behaviour" in kinds or not kinds else min(kinds)
 
 
+def _pair(copies: dict[str, str], name: str) -> tuple[str | None, str | None]:
+    """The original function and the mutant's copy of it (None where the file holds no such copy)."""
+    short = name.rsplit(".", 1)[1]
+    m = NAME.match(short)
+    return (copies.get(f"{m['func']}__mutmut_orig") if m else None), copies.get(short)
+
+
 def kinds(mutants: Path, module_path: str, names: list[str]) -> dict[str, str]:
     """Each of `names` (mutmut's `<module>.<function>__mutmut_<n>`) in mutants/<module_path> and its kind."""
     copies = functions((mutants / module_path).read_text())
     out = {}
     for name in names:
-        short = name.rsplit(".", 1)[1]
-        m = NAME.match(short)
-        orig = copies.get(f"{m['func']}__mutmut_orig") if m else None
-        if orig is None or short not in copies:
+        orig, mutant = _pair(copies, name)
+        if orig is None or mutant is None:
             out[name] = "behaviour"  # not found as a copy: count it as the worst kind
             continue
-        out[name] = kind_of(orig, changed_lines(orig, copies[short]))
+        out[name] = kind_of(orig, changed_lines(orig, mutant))
     return out
 
 
 def diff(mutants: Path, module_path: str, name: str) -> list[str]:
     """The mutant's change, as `-` lines of the original and `+` lines of the mutant (the def line left out)."""
-    copies = functions((mutants / module_path).read_text())
-    short = name.rsplit(".", 1)[1]
-    m = NAME.match(short)
-    orig, mutant = copies.get(f"{m['func']}__mutmut_orig", "") if m else "", copies.get(short, "")
-    a, b = orig.splitlines()[1:], mutant.splitlines()[1:]
+    orig, mutant = _pair(functions((mutants / module_path).read_text()), name)
+    a, b = (orig or "").splitlines()[1:], (mutant or "").splitlines()[1:]
     return [
         line
         for line in difflib.unified_diff(a, b, lineterm="", n=0)
