@@ -930,6 +930,8 @@ def test_worker_logs_go_to_a_file_per_rank_and_the_terminal_gets_shard_events_wa
         envs = {0: {"RANK": "2"}, 1: {"RANK": "0"}}
         dest = logs.specs.reify(envs)
         assert envs[0]["TORCHELASTIC_ERROR_FILE"] == str(out / "logs" / "run-1" / "rank-2.error.json")
+        # The files exist before any worker writes: a tailer stopped right after the last line still reads it.
+        assert all(Path(f).exists() for f in [*dest.stderrs.values(), *dest.stdouts.values()])
         for local, rank in ((0, 2), (1, 0)):
             Path(dest.stderrs[local]).write_text("".join(f"{line}\n" for line in RANK_LINES[rank]))
             Path(dest.stdouts[local]).write_text(f"printed by rank {rank}\n")

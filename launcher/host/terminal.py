@@ -95,6 +95,9 @@ class RankLogs(LogsSpecs):
             base = self.folder / f"rank-{env.get('RANK', local)}"
             dest.stdouts[local], dest.stderrs[local] = f"{base}.stdout.log", f"{base}.log"
             dest.error_files[local] = env["TORCHELASTIC_ERROR_FILE"] = f"{base}.error.json"
+            # Made before the tailers start: a tailer that finds no file yet may see stop() and quit unread
+            # (torch's tail_logfile checks the file, then the stop), losing lines written just before the end.
+            Path(dest.stdouts[local]).touch(), Path(dest.stderrs[local]).touch()
         keep = (lambda _: True) if self.verbose else (lambda line: shown_by_default(line) or stage_of(line) is not None)
         prefixes = {local: f"[rank{env.get('RANK', local)}] " for local, env in envs.items()}
         for files, prefix in ((dest.stderrs, {k: "" for k in envs}), (dest.stdouts, prefixes)):
