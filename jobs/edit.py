@@ -56,20 +56,24 @@ class EditBatch(Batch):
 
 def to_rgb(im):
     """An 8-bit RGB copy of `im` with its whole range: PIL's convert("RGB") clips 16-bit grey ("I;16", "I") at 255
-    (a full ramp comes out 99.6% white), so those are scaled by their top byte; CMYK goes through its embedded
-    ICC profile to sRGB where it has one, else PIL's plain conversion."""
+    (a full ramp comes out 99.6% white), so those are scaled by their top byte; RGB and CMYK go through their
+    embedded ICC profile to sRGB where they have one (a Display P3 photo, a print file), else PIL's conversion."""
     import numpy as np
     from PIL import Image, ImageCms
 
     if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         grey = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
         return Image.fromarray(np.repeat(grey[..., None], 3, axis=2))
-    if im.mode == "CMYK" and im.info.get("icc_profile"):
+    profile = im.info.get("icc_profile")
+    if profile and im.mode in ("RGB", "RGBA", "CMYK"):
         try:
-            source = ImageCms.ImageCmsProfile(io.BytesIO(im.info["icc_profile"]))
-            return ImageCms.profileToProfile(im, source, ImageCms.createProfile("sRGB"), outputMode="RGB")
-        except (ImageCms.PyCMSError, OSError) as e:  # a damaged profile: the plain conversion, said once per image
-            logger.warning("a CMYK reference's ICC profile cannot be used (%s); converting it without", e)
+            source = ImageCms.ImageCmsProfile(io.BytesIO(profile))
+            colour = im.convert("RGB") if im.mode == "RGBA" else im  # alpha dropped, as by the plain conversion
+            return ImageCms.profileToProfile(colour, source, ImageCms.createProfile("sRGB"), outputMode="RGB")
+        except (ImageCms.PyCMSError, OSError) as e:  # a damaged profile, or one of another colour space: said once
+            logger.warning(
+                "a reference's ICC profile cannot be used on its %s pixels (%s); converting it without", im.mode, e
+            )
     return im.convert("RGB")
 
 

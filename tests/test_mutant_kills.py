@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import io
 import json
+import struct
 import types
 
 import numpy as np
@@ -213,6 +214,90 @@ def test_a_cmyk_reference_with_a_damaged_icc_profile_is_one_warning_and_the_plai
     ).getpixel((0, 0))
     [record] = [r for r in caplog.records if "ICC profile cannot be used" in r.getMessage()]
     assert record.levelname == "WARNING"
+
+
+def s15(*xs: float) -> bytes:
+    return b"".join(struct.pack(">i", round(x * 65536)) for x in xs)
+
+
+D50 = (0.9642, 1.0, 0.8249)  # the ICC's PCS white
+# sRGB's colorants adapted to D50, as sRGB profiles carry them (IEC 61966-2-1 with the ICC's Bradford adaptation)
+RED, GREEN, BLUE = (0.4361, 0.2225, 0.0139), (0.3851, 0.7169, 0.0971), (0.1431, 0.0606, 0.7141)
+
+
+def icc(device_class: bytes, space: bytes, pcs: bytes, tags: dict[bytes, bytes]) -> bytes:
+    """An ICC v2 profile (ICC.1:2001-04): a 128-byte header, a tag table, the tags, each 4-byte aligned."""
+    text = b"made by a test\0"
+    desc = b"desc" + bytes(4) + struct.pack(">I", len(text)) + text + bytes(4 + 4 + 2 + 1 + 67)
+    tags = {b"desc": desc, b"wtpt": b"XYZ " + bytes(4) + s15(*D50), **tags}
+    offset = 128 + 4 + 12 * len(tags)
+    table, body = struct.pack(">I", len(tags)), b""
+    for sig, data in tags.items():
+        data += bytes(-len(data) % 4)
+        table += sig + struct.pack(">II", offset + len(body), len(data))
+        body += data
+    header = struct.pack(">I", offset + len(body)) + bytes(4) + struct.pack(">I", 0x02100000)
+    header += device_class + space + pcs + bytes(12) + b"acsp" + bytes(28) + s15(*D50)
+    return header + bytes(128 - len(header)) + table + body
+
+
+def rgb_profile(r, g, b) -> bytes:
+    """A matrix/TRC display profile with these colorants and linear curves."""
+    linear, xyz = b"curv" + bytes(8), lambda c: b"XYZ " + bytes(4) + s15(*c)
+    curves = {b"rTRC": linear, b"gTRC": linear, b"bTRC": linear}
+    return icc(b"mntr", b"RGB ", b"XYZ ", {b"rXYZ": xyz(r), b"gXYZ": xyz(g), b"bXYZ": xyz(b), **curves})
+
+
+def cmyk_profile_grey_without_black_ink() -> bytes:
+    """A CMYK output profile whose A2B0 (lut8Type, 2 grid points an ink) maps every mix with no black ink to
+    L*=50.2, a*=b*=0 (Lab bytes 128, 128, 128), and full black to L*=0, whatever the other inks."""
+    ramp = bytes(range(256))
+    clut = b"".join(bytes([128 if k == 0 else 0, 128, 128]) for _ in range(8) for k in range(2))  # K varies fastest
+    lut = b"mft1" + bytes(4) + bytes([4, 3, 2, 0]) + s15(1, 0, 0, 0, 1, 0, 0, 0, 1) + ramp * 4 + clut + ramp * 3
+    return icc(b"prtr", b"CMYK", b"Lab ", {b"A2B0": lut})
+
+
+def test_a_cmyk_reference_goes_through_its_icc_profile():
+    """docs/guide.md: CMYK through its embedded ICC profile. This one says any mix without black ink is the
+    grey of L*=50.2, which sRGB encodes as 119 (Y = 0.186, 1.055 Y^(1/2.4) - 0.055 = 0.468); PIL's plain
+    conversion of the same pixel (no black, full magenta and yellow) is red."""
+    from jobs.edit import to_rgb
+
+    im = Image.new("CMYK", (2, 2), (0, 255, 255, 0))
+    im.info["icc_profile"] = cmyk_profile_grey_without_black_ink()
+    assert all(abs(v - 119) <= 2 for v in to_rgb(im).getpixel((1, 1)))
+    assert to_rgb(Image.new("CMYK", (2, 2), (0, 255, 255, 0))).getpixel((1, 1)) == (255, 0, 0)  # no profile
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_an_rgb_reference_with_a_profile_other_than_srgb_is_brought_to_srgb(mode):
+    """An RGB reference is in its embedded profile's colours (a Display P3 photo, an Adobe RGB scan); the models
+    take sRGB. This profile's first channel is sRGB's green and its second sRGB's red: full first channel is
+    sRGB green, and a half-linear second channel (128 of 255, linear curves) is sRGB red at 188
+    (0.502 linear, 1.055 x 0.502^(1/2.4) - 0.055 = 0.735)."""
+    from jobs.edit import to_rgb
+
+    swapped = rgb_profile(GREEN, RED, BLUE)
+    for value, want in (((255, 0, 0), (0, 255, 0)), ((0, 128, 0), (188, 0, 0))):
+        im = Image.new(mode, (3, 2), value if mode == "RGB" else (*value, 40))
+        im.info["icc_profile"] = swapped
+        out = to_rgb(im)
+        pixel = out.getpixel((2, 1))
+        assert out.mode == "RGB" and all(abs(a - b) <= 2 for a, b in zip(pixel, want, strict=True)), pixel
+        del im.info["icc_profile"]
+        assert to_rgb(im).getpixel((2, 1)) == value  # without a profile: as it is
+
+
+def test_an_icc_profile_of_another_colour_space_is_one_warning_and_the_plain_conversion(caplog):
+    """A CMYK profile embedded in an RGB file cannot convert it: PIL's conversion, and a warning naming the mode."""
+    from jobs.edit import to_rgb
+
+    im = Image.new("RGB", (2, 2), (10, 20, 30))
+    im.info["icc_profile"] = cmyk_profile_grey_without_black_ink()
+    with caplog.at_level("WARNING"):
+        assert to_rgb(im).getpixel((0, 0)) == (10, 20, 30)
+    [record] = [r for r in caplog.records if "ICC profile cannot be used" in r.getMessage()]
+    assert "on its RGB pixels" in record.getMessage()
 
 
 def bands(w: int, h: int, horizontal: bool) -> Image.Image:
