@@ -663,3 +663,30 @@ def until(check, timeout_s: float = 20.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "the event never happened"
         time.sleep(0.02)
+
+
+@pytest.fixture
+def silent_s3(monkeypatch):
+    """An S3 endpoint on loopback that accepts every connection and never answers."""
+    server, held = socket.create_server(("127.0.0.1", 0)), []
+
+    def serve():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield
+    server.close()
+    for conn in held:
+        conn.close()

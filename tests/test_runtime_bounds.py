@@ -6,7 +6,6 @@ import gzip
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -19,7 +18,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 from conftest import launch
 from PIL import Image
 
@@ -239,33 +237,6 @@ def test_a_sound_index_is_still_read(tmp_path):
 
 
 # -- an unreachable store is exit 2 within 30 s
-@pytest.fixture
-def silent_s3(monkeypatch):
-    """An S3 endpoint on loopback that accepts every connection and never answers."""
-    server, held = socket.create_server(("127.0.0.1", 0)), []
-
-    def serve():
-        while True:
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=serve, daemon=True).start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    yield
-    server.close()
-    for conn in held:
-        conn.close()
-
-
 def test_an_s3_endpoint_that_never_answers_is_exit_2_within_30_s(silent_s3, tiny_model, launcher_main, capsys):
     t0 = time.monotonic()
     code = launcher_main([f"model.path={tiny_model}", "output.dir=s3://meshgen-test/out", "mesh.tp=1"])

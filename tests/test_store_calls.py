@@ -182,3 +182,42 @@ def test_a_listing_leaves_out_a_live_runs_hidden_files_and_folders_and_sorts_by_
     assert store.mtime("d/none.json") is None and store.mtime("d/a.json") is not None
     assert abs(store.now() - store.mtime("d/a.json")) < 600  # the store's clock, as mtime reads it
     assert store.files("locks") == []  # the clock probe is gone
+
+
+@pytest.mark.parametrize("call", ["read", "create", "etag"])
+def test_an_s3_endpoint_that_never_answers_is_given_up_on_within_the_bounds(silent_s3, monkeypatch, call):
+    """store.py: no S3 request of ours waits past S3_TIMEOUT_S to connect or for an answer (boto3's reads:
+    twice that, 2 tries), and Store._call tries no call again past RETRY_BUDGET_S: pyarrow's reads, boto3's
+    conditional create, and the ETag a glob asks for where two objects share a size and a time. With those at
+    0.2 s and 0.5 s each call gives up within 2 s of waiting; the clients' own defaults (boto3: 60 s, 5 tries)
+    would hold it for minutes. The call runs in a thread, so a wait past the bound fails the test, not the suite."""
+    import threading
+
+    from launcher.sources import globs
+
+    monkeypatch.setattr(store_mod, "S3_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(store_mod, "RETRY_BUDGET_S", 0.5)
+    monkeypatch.setattr(store_mod, "RETRY_DELAY_S", 0.05)
+    store = Store("s3://meshgen-test/run")
+    run = {
+        "read": lambda: store.read_bytes("state/00000.json"),
+        "create": lambda: store.create_exclusive("lock", b"{}"),
+        "etag": lambda: globs._etag("s3://", "meshgen-test/run/a.txt"),
+    }[call]
+    raised: list[BaseException] = []
+
+    def attempt():
+        try:
+            run()
+        except Exception as e:  # what the client says: a timeout
+            raised.append(e)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=10)  # 2 s of waits, and room for a loaded host
+    assert not worker.is_alive(), f"the {call} call still waits on a silent endpoint after 10 s"
+    assert raised, f"the {call} call answered from an endpoint that never answers"
+    # pyarrow's client gives up after 3 s of silence of its own accord (the AWS SDK's default), inside the bound
+    # above: its options are what bounds it, on a loaded host as on an idle one.
+    options = store.fs.__reduce__()[1][0]
+    assert (options["connect_timeout"], options["request_timeout"]) == (0.2, 0.2)

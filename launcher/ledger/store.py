@@ -315,7 +315,9 @@ def _open_temp_beside(path: Path):
     return tmp, open(tmp, "wb")
 
 
-def _BOTO_BOUNDS():  # noqa: N802 - what boto3 clients of ours wait at most, as _bounded_s3 for pyarrow's
+def boto_bounds():
+    """What a boto3 client of ours waits at most, as _bounded_s3 for pyarrow's (boto3's defaults: 60 s to connect,
+    60 s of silence, 5 tries, minutes for an endpoint that never answers)."""
     from botocore.config import Config
 
     return Config(connect_timeout=S3_TIMEOUT_S, read_timeout=2 * S3_TIMEOUT_S, retries={"total_max_attempts": 2})
@@ -326,7 +328,7 @@ def _s3_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
     from botocore.exceptions import ClientError
 
     try:
-        boto3.client("s3", config=_BOTO_BOUNDS()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        boto3.client("s3", config=boto_bounds()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
             return False
