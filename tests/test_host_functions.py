@@ -2228,6 +2228,33 @@ def test_a_component_is_complete_by_its_weight_files_whatever_its_index_files_ho
     check_components("org/p", tmp_path)  # m-1 now stands alone
 
 
+def test_shard_files_no_index_names_stand_alone_only_as_a_whole_set(tmp_path):
+    """A checkpoint's shards are named "<name>-00002-of-00012.<ext>" (transformers' and diffusers' naming): beside
+    an index that names nothing (damaged), the files of a set stand alone only while all of the set is there; the
+    error names the missing ones."""
+    from launcher.errors import ConfigError
+    from launcher.sizing.model_files import check_components
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "P", "transformer": ["diffusers", "T"]}))
+    part = tmp_path / "transformer"
+    part.mkdir()
+    (part / "config.json").write_text("{}")
+    (part / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    names = [f"diffusion_pytorch_model-{i:05d}-of-00012.safetensors" for i in range(1, 13)]
+    for name in names[:9] + names[10:]:
+        (part / name).write_bytes(b"w")
+    (part / "model.fp16-00002-of-00002.safetensors").write_bytes(b"w")  # another set, its first shard missing
+    with pytest.raises(ConfigError) as e:
+        check_components("org/p", tmp_path)
+    assert str(e.value) == (
+        "model.path org/p is an incomplete pipeline: transformer/ lacks weight files "
+        "['diffusion_pytorch_model-00010-of-00012.safetensors', 'model.fp16-00001-of-00002.safetensors']; "
+        "download the whole pipeline again"
+    )
+    (part / names[9]).write_bytes(b"w")
+    check_components("org/p", tmp_path)  # one whole set: the component is there
+
+
 def test_the_largest_part_counts_where_the_parts_take_turns_also_when_it_is_the_text_encoder():
     """docs/guide.md: with execution.staged the text encoder and the transformer take turns on the chip (the VAE
     stays), with model offload each component goes on alone: the larger of those that take turns counts, also where

@@ -8,10 +8,27 @@ asks the other.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from launcher.errors import ConfigError
 from launcher.weights import WEIGHT_SUFFIXES  # one list for these checks and the fingerprint
+
+# How transformers and diffusers name the shards of a sharded checkpoint: "model-00002-of-00005.safetensors".
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<ext>\..+)$")
+
+
+def whole_files(names: list[str]) -> tuple[list[str], list[str]]:
+    """(those of `names` that are weights on their own, the shards missing from the others' sets): a shard's file
+    stands alone only while every shard of its set is there (with no index to say so, the names do; a half
+    download keeps the first shards)."""
+    sets: dict[tuple, set[int]] = {}
+    for name in names:
+        if m := _SHARD.match(name):
+            sets.setdefault((m["stem"], m["n"], m["ext"]), set()).add(int(m["i"]))
+    gaps = {key: [i for i in range(1, int(key[1]) + 1) if i not in got] for key, got in sets.items()}
+    whole = [f for f in names if not (m := _SHARD.match(f)) or not gaps[m["stem"], m["n"], m["ext"]]]
+    return whole, sorted(f"{s}-{i:05d}-of-{n}{e}" for (s, n, e), missing in gaps.items() for i in missing)
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -66,13 +83,10 @@ def check_components(path: str, root: Path) -> None:
         maps = [set(read_json(i).get("weight_map", {}).values()) for i in folder.glob("*.index*.json")]
         maps = [m for m in maps if m]  # an index that names no shard (damaged, or not one) vouches for nothing
         missing = [sorted(s for s in m if not (folder / s).exists()) for m in maps]
-        standalone = [
-            f
-            for f in folder.iterdir()
-            if f.name.endswith(WEIGHT_SUFFIXES) and f.exists() and not any(f.name in m for m in maps)
-        ]
+        weights = [f.name for f in folder.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.exists()]
+        standalone, gaps = whole_files([f for f in weights if not any(f in m for m in maps)])
         if not standalone and all(missing):
-            what = f"weight files {missing[0][:3]}" if missing else "weight files"
+            what = f"weight files {(missing[0] if missing else gaps)[:3]}" if missing or gaps else "weight files"
             raise ConfigError(
                 f"model.path {path} is an incomplete pipeline: {name}/ lacks {what}; download the whole pipeline again"
             )
