@@ -691,7 +691,7 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
 
 
-def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path, caplog):
+def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path, caplog, monkeypatch):
     """launcher/writer/bgwriter.py, a recovery path: the writer process dies (out of memory, say) while a shard's
     batches are handed over: that shard is recorded failed with the error that broke it, and a new writer process
     writes the next shard whole. A failed shard whose files cannot be removed says so in its error. Each shard's
@@ -710,6 +710,9 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
                 raise OSError(f"cannot remove {rel}")
             super().delete(rel)
 
+    started = []  # each writer process started: the first, and one for its death (not one per failed shard)
+    new_process = BackgroundWriter._new_process
+    monkeypatch.setattr(BackgroundWriter, "_new_process", lambda self: started.append(new_process(self)) or started[-1])
     out, recorded = load_config("tiny").output, []
     writer = BackgroundWriter(Stuck(tmp_path), out, 1, recorded.append)
     try:
@@ -738,7 +741,7 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
     assert isinstance(done["write_seconds"], float) and done["write_seconds"] >= 0  # its files' write, timed
     assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d", "e"]
-    assert not writers()
+    assert not writers() and len(started) == 2
     events = [r.getMessage() for r in caplog.records if r.name == "meshgen.shards"]
     assert events == [f"shard 0 failed: {failed['error']}", "shard 1 done: 3 images in 1.0 s"]
 

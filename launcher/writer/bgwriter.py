@@ -101,6 +101,13 @@ class BackgroundWriter:
         pool.submit(int)  # start it now, while the model loads: it spawns, imports and warms up (~1 s of CPU)
         return pool
 
+    def _renew(self, broken: ProcessPoolExecutor) -> None:
+        """A new writer process in place of `broken`, which died (out of memory?) and is reaped here. Once per
+        death: a shard that fails later for that death must not replace the new process too (it would outlive us)."""
+        if self._process is broken:
+            self._process = self._new_process()
+        broken.shutdown(wait=True, cancel_futures=True)
+
     def add(self, index: int, name: str, samples: list[dict]) -> float:
         """Hand one batch's samples of shard `index` over (written under temporary names until its `submit`);
         the seconds spent waiting for room in the queue."""
@@ -151,7 +158,7 @@ class BackgroundWriter:
             self.store.delete(ledger.state_rel(index))
 
     def _stream(self, b: _Batch) -> None:
-        n, samples, b.samples = len(b.samples), b.samples, []
+        n, samples, b.samples, pool = len(b.samples), b.samples, [], self._process
         try:
             if b.index in self._broken:
                 return
@@ -159,11 +166,11 @@ class BackgroundWriter:
                 self._broken[b.index] = RuntimeError(f"our claim on shard {b.index} was taken over mid-shard")
                 return
             self._begin(b.index)
-            self._process.submit(_add_batch, b.name, samples).result()
+            pool.submit(_add_batch, b.name, samples).result()
         except Exception as e:  # said when the shard ends: it fails, and its later batches are dropped
             self._broken[b.index] = e
             if isinstance(e, BrokenProcessPool):
-                self._process = self._new_process()
+                self._renew(pool)
         finally:
             self.held_images -= n
 
@@ -174,10 +181,11 @@ class BackgroundWriter:
             self._open.discard(job.index), self._broken.pop(job.index, None)
             self.held_images -= n
             return self._lost(job)
+        broke, pool = self._broken.get(job.index), self._process
         try:
             self._begin(job.index)
-            if job.index in self._broken:
-                raise self._broken[job.index]
+            if broke is not None:
+                raise broke
             self._write(job)
         except Exception as e:  # a write error fails that shard, never silently
             job.state.update(
@@ -189,8 +197,8 @@ class BackgroundWriter:
             if unwritable(e):
                 self.out_of_space = job.state["out_of_space"] = True
                 logger.error("shard %d: %s takes no more writes (%s); this worker stops", job.index, self.store, e)
-            if isinstance(e, BrokenProcessPool):  # the writer process or an encoder died (out of memory?)
-                self._process = self._new_process()
+            if isinstance(e, BrokenProcessPool) and e is not broke:  # it died now (an earlier death: renewed)
+                self._renew(pool)
         finally:
             self._open.discard(job.index)
             self._broken.pop(job.index, None)
