@@ -320,6 +320,13 @@ def test_the_plan_by_row_judges_each_shard_against_its_state_and_the_listing(tmp
     src.write_text("".join(f"prompt {i}\n" for i in range(7)) + "an edited prompt\n")  # shard 2's 2nd row edited
     plan = make_plan(cfg, states, store=out)
     assert (plan.status[2], plan.stale, 2 in plan.selected) == ("stale", [2], False)  # run.stale=keep
+    # DESIGN: run.stale's default refuses done shards whose prompts changed; run.shards=all makes every shard again,
+    # so there is nothing to refuse.
+    refusing = load_config("tiny", [f"dataset.path={src}", "run.shard_size=3"])
+    with pytest.raises(ConfigError, match=r"^shards \[2\] are done but their prompts changed since"):
+        make_plan(refusing, states, store=out)
+    refusing.run.shards = "all"
+    assert make_plan(refusing, states, store=out).selected == [0, 1, 2]
     limited = make_plan(load_config("tiny", [f"dataset.path={src}", "run.shard_size=3", "dataset.limit=4"]), states)
     assert [(s.index, s.rows, s.status) for s in limited.shards] == [(0, 3, "done"), (1, 1, "done")]
 
@@ -427,3 +434,40 @@ def test_the_stale_refusal_names_up_to_five_changed_samples_references_and_a_lik
         str(e.value)
         == f"shards [1, 2, 3, 4, 5, 6] are done but their prompts changed since (samples x6 and more){tail}"
     )
+
+
+def test_a_done_shard_whose_set_aside_row_is_fixed_has_grown_and_one_whose_row_changed_is_stale(tmp_path):
+    """DESIGN, `dataset.bad_rows=skip`: a row set aside is generated once it is fixed, by the same command; its
+    shard, done without it, has grown (made again, never refused as stale); a change to a row it was made with is
+    stale (refused by run.stale's default). Shards of 2 rows by position, row 0 set aside (no prompt): the fixed
+    row comes before the row the shard was made with, so this is not a shard that grew at its end."""
+    from launcher.config import load_config
+    from launcher.plan.plan import make_plan
+    from launcher.sources import rejected
+
+    src, out = tmp_path / "p.jsonl", Store(str(tmp_path / "out"))
+
+    def source(prompts):
+        src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+    source([None, "b", "c", "d"])
+    cfg = load_config("tiny", [f"dataset.path={src}", "dataset.bad_rows=skip", "run.shard_size=2"])
+    first = make_plan(cfg, {}, store=out)
+    assert [r["id"] for r in first.rejected] == ["0"] and [s.rows for s in first.shards] == [1, 2]
+    rejected.write(out, "run-1", first.rejected)
+    states = {}
+    for s in first.shards:
+        files = {f"data/shard-{s.index:05d}.parquet": [10]}
+        states[s.index] = {"status": "done", "rows": s.rows, "prompts_fingerprint": s.fingerprint, "files": files}
+        states[s.index]["run_id"] = "run-1"
+        out.write_bytes(f"data/shard-{s.index:05d}.parquet", b"x" * 10)
+    assert make_plan(cfg, states, store=out).status == {0: "done", 1: "done"}
+    source(["a, fixed", "b", "c", "d"])
+    plan = make_plan(cfg, states, store=out)
+    assert (plan.status, plan.selected, plan.stale) == ({0: "grown", 1: "done"}, [0], [])
+    # Which state each shard's plan read (a state written before attempts were recorded: by its run id): a claim
+    # takes the shard only while its state is still that one (launcher/ledger/claims.py).
+    assert [s.seen for s in plan.shards] == ["run-1", "run-1"]
+    source([None, "b, changed", "c", "d"])
+    with pytest.raises(ConfigError, match=r"^shards \[0\] are done but their prompts changed since"):
+        make_plan(cfg, states, store=out)

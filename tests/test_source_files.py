@@ -96,6 +96,19 @@ def test_an_earlier_run_is_read_as_its_shards_in_order_and_its_settings_override
     assert (kept["guidance_scale"], kept["negative_prompt"]) == (3.5, "blurry")
 
 
+def test_an_edit_job_over_an_earlier_run_reads_its_ids_images_and_prompts_but_not_its_settings(tmp_path):
+    """DESIGN (job=edit): chained onto an earlier run's output folder, each row keeps its sample id and its image
+    is the reference; the settings that run recorded per row are how it was made, not settings of the edit."""
+    from launcher.config import load_config
+    from launcher.plan.plan import source
+
+    run = tmp_path / "run"
+    _earlier_run(run, {0: ["a", "b"], 1: ["c"]})
+    src = source(load_config("tiny", ["job=edit", f"dataset.path={run}/"]))
+    assert (src.id_column, src.image_column, src.row_settings) == ("id", "image", False)
+    assert source(load_config("tiny", [f"dataset.path={run}/"])).image_column is None  # text to image: no references
+
+
 def test_lines_are_cut_from_one_mib_reads_and_a_line_over_the_bound_is_dropped_as_it_is_read(tmp_path):
     """launcher/sources/prompts_raw.py _byte_lines: a file's lines as bytes, read 1 MiB at a time, between an
     offset and an end; a line over LINE_BYTES (16 x the 64 KiB a prompt may hold: 1 MiB) is None, whichever
