@@ -556,6 +556,25 @@ def test_a_damaged_id_map_is_planned_afresh_with_a_warning(tmp_path, monkeypatch
     assert [(s.index, s.rows, s.status) for s in again.shards] == [(0, 4, "done"), (1, 4, "done"), (2, 2, "done")]
 
 
+def test_a_source_planned_afresh_after_a_damaged_map_is_still_checked_against_the_model(tmp_path, monkeypatch):
+    """The plan made afresh for a damaged id map checks the rows as every plan does: a column the family's pipeline
+    would ignore is refused, naming the first id that sets it (DESIGN: refused at planning with its id)."""
+    from launcher.errors import ConfigError
+    from launcher.sources.prompts import SizeRule
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    index = tmp_path / "out" / "sources" / "index.json"
+    (tmp_path / "out" / json.loads(index.read_text())["shards"]).unlink()
+    write(src, [*ROWS, {"uid": "p010", "prompt": "a new row", "negative_prompt": "blurry"}])
+    why = "FLUX.2's pipeline takes no negative prompt"
+    nights.sizes = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10, (("negative_prompt", why),))
+    with pytest.raises(ConfigError, match=rf"column 'negative_prompt' is set \(first at id 'p010'\), but {why}$"):
+        nights.plan()
+
+
 @pytest.mark.parametrize("then", ["the source grew", "a failed shard is rerun", "the shard table is cut short"])
 def test_a_map_file_cut_short_is_planned_afresh_with_a_warning(tmp_path, monkeypatch, caplog, then):
     """A map file the listing shows but that is damaged inside (cut to half its bytes) never stops a run with a
