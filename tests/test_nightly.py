@@ -566,8 +566,9 @@ def test_a_source_planned_afresh_after_a_damaged_map_is_still_checked_against_th
     write(src, ROWS)
     nights = _Nights(tmp_path, monkeypatch, src)
     nights.plan()
-    index = tmp_path / "out" / "sources" / "index.json"
-    (tmp_path / "out" / json.loads(index.read_text())["shards"]).unlink()
+    data = json.loads((tmp_path / "out" / "sources" / "index.json").read_text())
+    damaged = tmp_path / "out" / data["files"][str(src)]["map"]  # the map file cut short: found only when read
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     write(src, [*ROWS, {"uid": "p010", "prompt": "a new row", "negative_prompt": "blurry"}])
     why = "FLUX.2's pipeline takes no negative prompt"
     nights.sizes = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10, (("negative_prompt", why),))
