@@ -18,6 +18,8 @@ from conftest import contract_seed
 from omegaconf import OmegaConf
 from PIL import Image
 
+from launcher.errors import ConfigError
+
 
 def job_cfg(**generate):
     gen = {"height": 32, "width": 48, "num_inference_steps": 3, "guidance_scale": 2.5, "batch_size": 2, "seed": 5}
@@ -3049,3 +3051,104 @@ def test_non_finite_values_in_a_numpy_output_name_their_samples_as_a_tensors_do(
             check_finite(batch, v, "vae")
         with pytest.raises(NonFiniteOutput, match=r"'a-1', 'b-0' \(2 of 3 in the batch\)"):
             check_finite(batch, v, "vae")
+
+
+def test_an_object_store_output_dir_is_checked_at_the_store_and_its_error_is_in_the_line(s3, monkeypatch):
+    """launcher/checks/settings.py: an s3:// output.dir is checked at the store (nothing made here): a bucket that
+    is not there, or a store that refuses the connection, is one line with what the store said."""
+    import socket
+
+    from launcher.checks.settings import check_output
+
+    def check(url: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_output(OmegaConf.create({"output": {"dir": url}}))
+        return str(e.value)
+
+    check_output(OmegaConf.create({"output": {"dir": "s3://meshgen-test/run"}}))
+    assert check("s3://no-such-bucket/run").startswith(
+        "output.dir=s3://no-such-bucket/run cannot be reached (no such bucket)"
+    )
+    with socket.socket() as s:  # a port where nothing listens: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+        line = check("s3://meshgen-test/run")
+    said = line.removeprefix("output.dir=s3://meshgen-test/run cannot be reached (").split("); check the bucket")[0]
+    assert said != line and "meshgen-test" in said, line  # the client's own first line, naming the bucket
+
+
+def test_an_output_dir_where_no_file_can_be_made_is_one_line():
+    """/proc takes no new file (as root too): the probe is made where the folder would be, not elsewhere."""
+    from launcher.checks.settings import check_output
+
+    with pytest.raises(
+        ConfigError, match=r"^output.dir /proc/meshgen-out cannot be written \(creating a file in /proc"
+    ):
+        check_output(OmegaConf.create({"output": {"dir": "/proc/meshgen-out"}}))
+
+
+def test_only_the_first_host_checks_that_the_rendezvous_port_is_free(monkeypatch):
+    """preflight.py store_port: on a job over several hosts the first host (NODE_RANK 0) serves the store on
+    MASTER_PORT, which must be free; the others connect to it and never bind it."""
+    import socket
+
+    from launcher.checks.preflight import store_port
+
+    pf = types.SimpleNamespace(cfg=OmegaConf.create({"mesh": {"nodes": 2}}))
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        monkeypatch.setenv("NODE_RANK", "1")
+        store_port(pf)
+        monkeypatch.setenv("NODE_RANK", "0")
+        with pytest.raises(ConfigError, match=f"^MASTER_PORT {held.getsockname()[1]} cannot be bound on this host"):
+            store_port(pf)
+
+
+def test_a_download_error_without_words_is_named_by_its_type(monkeypatch, tmp_path):
+    """download.py: every failure of the download is one line, its cause's first line or, where it says nothing,
+    its type."""
+    from launcher.checks import download
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(download, "complete_in_cache", lambda path: False)
+
+    def silent(path, what):
+        raise RuntimeError("  ")
+
+    monkeypatch.setattr(download, "hub_answers", silent)
+    with pytest.raises(ConfigError, match=r"^cannot download model.path org/m from \S+ \(RuntimeError\); check"):
+        download.ensure_downloaded("org/m")
+
+
+def test_a_lora_scale_is_taken_at_its_bounds_and_refused_past_them():
+    """docs/guide.md: a LoRA's scale outside -100..100 is refused; the bounds themselves are scales."""
+    from launcher.checks.settings import check_model_values
+
+    def cfg(scale: float):
+        return OmegaConf.create({"model": {"loras": [{"path": "l.safetensors", "scale": scale}]}, "generate": {}})
+
+    for scale in (-100, 100, 0, 1.5):
+        check_model_values(cfg(scale))
+    for scale in (-100.5, 100.5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="scale"):
+            check_model_values(cfg(scale))
+
+
+def test_a_quality_model_in_a_local_folder_named_like_a_hub_id_is_never_fetched(tmp_path, monkeypatch):
+    """quality_models.py: a folder is read as it is, even one whose relative path looks like a hub id
+    ("models/clip"); only a path that is no folder and looks like an id is fetched."""
+    from launcher.checks import download, quality_models
+
+    asked = []
+    monkeypatch.setattr(download, "hub_answers", lambda path, what: asked.append(path) or 1 / 0)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "clip").mkdir(parents=True)
+    quality_models._fetch("models/clip", "quality.clip_model")
+    assert asked == []
+    with pytest.raises(ZeroDivisionError):  # the same name with no folder there: asked of the hub
+        quality_models._fetch("models/other", "quality.clip_model")
+    assert asked == ["models/other"]

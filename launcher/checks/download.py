@@ -70,7 +70,7 @@ def hub_answers(repo_id: str, what: str) -> None:
     try:
         HfApi(endpoint=constants.ENDPOINT).model_info(repo_id, timeout=wait)
     except HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else 0
+        status = e.response.status_code  # huggingface_hub's HTTP errors always carry their response
         if status != 429 and status < 500:
             raise
     except (httpx2.TransportError, OSError) as e:  # no HTTP answer: a timeout, a refused or reset connection
