@@ -1234,6 +1234,21 @@ def test_a_hub_id_is_fetched_once_with_the_files_its_pipeline_loads_and_a_comple
     assert model_hub.log[before:] == []
 
 
+def test_a_pipeline_whole_in_the_cache_makes_the_workers_run_offline(model_hub, monkeypatch):
+    """model_checks.py: once the whole pipeline is in the cache (checked), HF_HUB_OFFLINE=1 for the workers: each
+    rank would otherwise ask the hub for updates, and hang where it cannot be reached."""
+    from launcher.checks.download import ensure_downloaded
+    from launcher.checks.model_checks import check_model, locate
+    from launcher.config import load_config
+
+    online(monkeypatch)
+    ensure_downloaded(REPO)
+    cfg = load_config("tiny", [f"model.path={REPO}", "model.build=null", "mesh.tp=1", "mesh.dp=1"])
+    assert "HF_HUB_OFFLINE" not in os.environ
+    check_model(cfg, locate(cfg))
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
 def test_a_gated_or_unknown_hub_id_is_one_line_and_nothing_is_fetched(model_hub):
     from launcher.checks.download import ensure_downloaded
 
