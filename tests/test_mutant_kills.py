@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import struct
 import types
 
@@ -3152,3 +3153,29 @@ def test_a_quality_model_in_a_local_folder_named_like_a_hub_id_is_never_fetched(
     with pytest.raises(ZeroDivisionError):  # the same name with no folder there: asked of the hub
         quality_models._fetch("models/other", "quality.clip_model")
     assert asked == ["models/other"]
+
+
+def test_a_gcs_output_dir_whose_server_never_answers_is_one_line_within_the_probes_wait(silent_s3, monkeypatch):
+    """settings.py / gcs.py: a gs:// output.dir is looked at with one bounded request (GCS_PROBE_S, no retry):
+    pyarrow's own client would wait minutes on a server that accepts and never answers. The server here is the
+    silent one, as a GCS emulator address; with the probe's wait at 0.5 s the check ends within seconds."""
+    import threading
+
+    from launcher.checks.settings import check_object_store
+    from launcher.ledger import gcs
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setattr(gcs, "GCS_PROBE_S", 0.5)
+    said: list[str] = []
+
+    def check():
+        try:
+            check_object_store("gs://meshgen-test/run")
+        except ConfigError as e:
+            said.append(str(e))
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=15)
+    assert not worker.is_alive(), "the check of a silent GCS server still waits after 15 s"
+    assert said and said[0].startswith("output.dir=gs://meshgen-test/run cannot be reached ("), said
