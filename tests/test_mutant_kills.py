@@ -2440,6 +2440,7 @@ def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
     front = yaml.safe_load(text.split("---\n")[1])
     assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/*.parquet"}]  # all done: a glob
     assert "not complete" not in text  # every shard done
+    assert "- license: MIT" in text  # the model's own note, in the body as in the front matter
     assert 'ds = load_dataset("path/to/this/folder", split="train")' in text  # no repo: the folder's own line
     assert text.split("---\n")[1].splitlines()[0] == f"license: {front['license']}"  # the Hub's order, not sorted
     assert [card.size_category(n) for n in (999, 1000, 10**8, 10**9)] == ["n<1K", "1K<n<10K", "100M<n<1B", "1B<n<10B"]
@@ -2448,6 +2449,8 @@ def test_the_card_vouches_only_for_done_shards_and_counts_them(tmp_path):
     assert card.hub_license(f"FLUX.1 [dev] Non-Commercial License {link}") == {
         "license": "other", "license_name": "flux-1-dev-non-commercial-license", "license_link": link}  # fmt: skip
     assert card.hub_license("  ") == {}
+    store.delete(state_rel(3))  # one shard pending and none failed: not complete either
+    assert "This run is not complete: the card names only the done shards' data." in card.card_text(store)
 
 
 def test_the_progress_bar_counts_this_runs_done_images_and_failed_shards(tmp_path):
@@ -3017,6 +3020,9 @@ def test_the_card_names_its_features_its_sweep_and_its_encoding(tmp_path):
     assert "- images: webp (lossless), stored as the `image` column's bytes" in text
     assert "every prompt at 2 combinations of settings" in text and "`<base id>@<v>`" in text
     assert "v = 0: guidance_scale=2.5; 1: guidance_scale=4.0" in text
+    edited = Store(tmp_path / "edited")
+    write_run_json(edited, load_config("tiny", [*job, "job=edit"]), 1)  # an edit job's dataset: image to image
+    assert yaml.safe_load(card.card_text(edited).split("---\n")[1])["task_categories"] == ["image-to-image"]
 
 
 def test_a_states_token_is_its_attempt_else_its_finish_time_else_its_run():

@@ -230,6 +230,11 @@ def test_a_bucket_target_takes_each_file_as_an_object_and_a_missing_bucket_is_on
     body = s3c.get_object(Bucket="meshgen-test", Key="published/set/data/shard-00001.parquet")["Body"].read()
     assert body == b"P1-longer"
     assert publish(str(run), target, card=False)["files"] == 0
+    for f in (p for p in run.rglob("*") if p.is_file()):  # the same run kept in the bucket: object to object
+        s3c.put_object(Bucket="meshgen-test", Key=f"runs/a/{f.relative_to(run)}", Body=f.read_bytes())
+    assert publish("s3://meshgen-test/runs/a", "s3://meshgen-test/published/copy", card=False)["files"] == 3
+    body = s3c.get_object(Bucket="meshgen-test", Key="published/copy/images/shard-00000/a.png")["Body"].read()
+    assert body == b"img-a"
     with pytest.raises(ConfigError, match=r"^cannot publish to s3://no-such-bucket/x: bucket no-such-bucket does not "):
         publish(str(run), "s3://no-such-bucket/x", card=False)
 
@@ -489,3 +494,16 @@ def test_the_card_goes_to_the_file_given_or_into_the_run_folder(run, tmp_path):
     assert (tmp_path / "elsewhere" / "c.md").read_bytes() == b"card" and not (run / "README.md").exists()
     write_output(str(run), "README.md", b"card here")
     assert (run / "README.md").read_bytes() == b"card here"
+
+
+def test_a_folder_target_gets_a_shards_images_before_its_parquet(run, tmp_path):
+    """targets.py: a shard's images are sent first, so that a Parquet file whose rows point at image files never
+    arrives before them (a reader of the target mid-push finds every image its rows name)."""
+    from launcher.publish.push import publish
+    from launcher.publish.targets import StoreTarget
+
+    target = StoreTarget(str(tmp_path / "copy"), None)
+    order, real = [], target.store.open_output
+    target.store.open_output = lambda name: order.append(name) or real(name)
+    publish(str(run), str(tmp_path / "copy"), card=False, target=target)
+    assert order.index("images/shard-00000/a.png") < order.index("data/shard-00000.parquet"), order

@@ -79,7 +79,7 @@ class HubTarget:
                 f"(hf repo create {self.repo_id} --repo-type dataset) or log in with hf auth login"
             ) from None
         except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else 0
+            status = e.response.status_code  # huggingface_hub's HTTP errors always carry their response
             why = str(e).splitlines()[0][:120]
             raise ConfigError(f"{where} refused the token ({status}: {why}); log in again (hf auth login)") from None
         except (httpx2.TransportError, OSError) as e:
@@ -135,7 +135,7 @@ class HubTarget:
                 )
                 return
             except HfHubHTTPError as e:
-                status = e.response.status_code if e.response is not None else 0
+                status = e.response.status_code
                 if (status != 429 and status < 500) or attempt == COMMIT_TRIES - 1:
                     raise
                 limit = parse_ratelimit_headers(e.response.headers)
