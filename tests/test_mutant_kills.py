@@ -1107,6 +1107,9 @@ def test_a_run_lock_on_disk_names_its_holder_beats_and_is_free_again_once_releas
     record = json.loads(path.read_text())
     assert {k: record[k] for k in ("host", "pid", "run_id")} == {
         "host": socket.gethostname(), "pid": os.getpid(), "run_id": "run-a"}  # fmt: skip
+    # Its pid's namespace, so that a watcher on this machine judges the pid (a dead holder is taken over at once),
+    # and when it started, as ISO 8601 with the offset (the refusal names it).
+    assert record["pid_space"] == lock_mod.PID_SPACE and time.strptime(record["started"], "%Y-%m-%dT%H:%M:%S%z")
     assert lock_mod.look(store, 3) == (json.loads(path.read_text()), True) and first.held()
     deadline = time.monotonic() + 60
     while json.loads(path.read_text())["beat"] < 3:  # the heartbeat rewrites it
@@ -2042,8 +2045,10 @@ def test_dead_claims_go_and_a_folder_without_claims_or_a_strangers_file_are_left
     store.write_bytes("claims/shard-00001/g00000.json", b'{"worker": 0, "ru')
     store.write_bytes("claims/shard-00002/g00000.json", b'{"worker": 0, "run_id": "gone"}')
     store.write_bytes("claims/shard-00002/notes.txt", b"mine")
+    store.write_bytes("claims/README.json", b'{"a stranger": "at the top"}')  # a file, not a shard's folder
     forget_dead(store)
     assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "claims").rglob("*")) == [
+        "claims/README.json",
         "claims/shard-00002",
         "claims/shard-00002/notes.txt",
     ]
@@ -3185,3 +3190,30 @@ def test_a_gcs_output_dir_whose_server_never_answers_is_one_line_within_the_prob
     worker.join(timeout=15)
     assert not worker.is_alive(), "the check of a silent GCS server still waits after 15 s"
     assert said and said[0].startswith("output.dir=gs://meshgen-test/run cannot be reached ("), said
+
+
+def test_a_gcs_emulator_address_without_its_scheme_reaches_the_server_in_both_clients(gcs, monkeypatch):
+    """launcher/ledger/gcs.py: STORAGE_EMULATOR_HOST as host:port (as fake-gcs-server's docs give it) reaches the
+    server in pyarrow's client and in google-cloud-storage's (the conditional create), which reads it only with a
+    scheme of its own accord."""
+    from launcher.ledger.store import Store
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs["STORAGE_EMULATOR_HOST"].removeprefix("http://"))
+    store = Store("gs://meshgen-test/bare-host")
+    assert store.create_exclusive("lock", b"one") and not store.create_exclusive("lock", b"two")
+    assert store.read_bytes("lock") == b"one"
+
+
+def test_releasing_a_shard_this_run_does_not_hold_deletes_no_claim():
+    """launcher/ledger/claims.py release: only our own claim goes (and the dead generations below it); a shard we do
+    not hold (taken over, or never claimed) is left as it is, its holder's claim in place."""
+    import tempfile
+
+    from launcher.ledger.claims import Claims
+    from launcher.ledger.store import Store
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = Store(folder)
+        store.write_bytes("claims/shard-00003/g00000.json", b'{"worker": 1, "run_id": "another"}')
+        Claims(store, 0, "ours").release(3)
+        assert store.read_bytes("claims/shard-00003/g00000.json") == b'{"worker": 1, "run_id": "another"}'
