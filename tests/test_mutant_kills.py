@@ -3217,3 +3217,38 @@ def test_releasing_a_shard_this_run_does_not_hold_deletes_no_claim():
         store.write_bytes("claims/shard-00003/g00000.json", b'{"worker": 1, "run_id": "another"}')
         Claims(store, 0, "ours").release(3)
         assert store.read_bytes("claims/shard-00003/g00000.json") == b'{"worker": 1, "run_id": "another"}'
+
+
+def test_an_edit_jobs_interpolated_size_reaches_the_pipeline_as_its_value(tmp_path):
+    """A YAML value that names another (`width: ${generate.height}`, OmegaConf's interpolation, as Hydra composes
+    it) is that value by the time a call is made."""
+    from jobs import edit
+
+    cfg = job_cfg()
+    cfg.generate.width = "${generate.height}"
+    data = png("blue", (4, 4))
+    (tmp_path / "r.png").write_bytes(data)
+    where = json.dumps([{"path": "r.png", "src": str(tmp_path / "r.png")}])
+    rows = [{"id": "b", "prompt": "q", "ref_sha256": hashlib.sha256(data).hexdigest(), "ref_loc": where}]
+    pipe = FakePipeline()
+    edit.run_batch(pipe, edit.shard_batches(rows, cfg)[0], cfg)
+    assert (pipe.calls[0]["height"], pipe.calls[0]["width"]) == (32, 32)
+
+
+def test_a_crop_whose_margins_are_odd_is_the_size_asked_for():
+    """jobs/edit.py fit_image: `crop` covers the size and cuts the middle out, whole pixels: a 10x10 reference
+    brought to 16x15 is scaled to 16x16 and one row is cut (none at the top, one at the bottom)."""
+    from jobs.edit import fit_image
+
+    im = Image.new("RGB", (10, 10), (0, 0, 255))
+    im.putpixel((0, 0), (255, 0, 0))
+    out = fit_image(im, 16, 15, "crop")
+    assert out.size == (16, 15) and out.getpixel((0, 0))[0] > 128  # the top row kept
+
+
+def test_a_loras_scale_defaults_to_1():
+    """DESIGN: model.loras entries are {path, scale}, scale default 1.0: the scales they were fused at."""
+    from jobs.text_to_image import loaded_lora_scales
+
+    loras = [{"path": "a.safetensors"}, {"path": "b.safetensors", "scale": 0.5}]
+    assert loaded_lora_scales(OmegaConf.create({"model": {"loras": loras}})) == (1.0, 0.5)
