@@ -1514,6 +1514,7 @@ def test_a_reference_is_hashed_whole_and_checked_against_the_edit_pipelines_boun
         "use a smaller file"
     )
     rc.check_output_size(at, 64, 512, None)
+    rc.check_output_size(at, None, None, None)  # no size yet and no model known: nothing to refuse
     with pytest.raises(ConfigError) as e:
         rc.check_output_size(at, 512, 63, None)
     assert str(e.value) == (

@@ -273,3 +273,18 @@ def test_an_edit_sources_reference_column_is_read_from_a_saved_dataset_and_from_
         assert got == list(enumerate(rows["image"])), f
     with pytest.raises(ConfigError, match=r"has no image column 'picture' \(dataset\.image_column\); columns found: "):
         list(column_rows(str(tmp_path / "saved"), "picture"))
+
+
+def test_large_string_columns_and_a_file_whose_column_is_all_empty_read_as_one_source(tmp_path):
+    """A Parquet source may hold its text as large_string (as pandas and polars write it); a file whose
+    negative_prompt is empty throughout reads beside one that sets it, each row its own value (DESIGN: per-row
+    settings); kept columns (dataset.keep_columns) keep their type through a file with no rows."""
+    big = pa.large_string()
+    pq.write_table(pa.table({"prompt": pa.array(["a", "b"], big), "tag": ["x", "y"]}), tmp_path / "1.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], big), "tag": pa.array([], pa.string())}), tmp_path / "2.parquet")
+    both = {"prompt": pa.array(["c"], big), "negative_prompt": pa.array(["blurry"], big), "tag": ["z"]}
+    pq.write_table(pa.table(both), tmp_path / "3.parquet")
+    src = Source(f"{tmp_path}/*.parquet", keep_columns=("tag",))
+    rows = pa.Table.from_batches(list(read_batches(src))).to_pylist()
+    assert [(r["prompt"], r["negative_prompt"], r["tag"]) for r in rows] == [
+        ("a", None, "x"), ("b", None, "y"), ("c", "blurry", "z")]  # fmt: skip
