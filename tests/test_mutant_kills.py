@@ -3253,3 +3253,25 @@ def test_a_loras_scale_defaults_to_1():
 
     loras = [{"path": "a.safetensors"}, {"path": "b.safetensors", "scale": 0.5}]
     assert loaded_lora_scales(OmegaConf.create({"model": {"loras": loras}})) == (1.0, 0.5)
+
+
+def test_the_quality_columns_are_written_without_kept_columns_too(tmp_path):
+    """DESIGN (quality.*): clip_score (float32) and nsfw (bool) are columns of each row, with their `datasets`
+    features, whether or not source columns are kept beside them."""
+    import types
+
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+
+    out = types.SimpleNamespace(format="png", parquet=True, webdataset=False, image_files=False, row_group_size=2)
+    stream = ShardStream(Store(tmp_path), "shard-00000", out)
+    stream.add([{**_stream_sample(i), "clip_score": 30.5 + i, "nsfw": i == 1} for i in range(3)])
+    stream.commit()
+    table = pq.read_table(tmp_path / "data" / "shard-00000.parquet")
+    assert table.schema.field("clip_score").type == "float" and table.schema.field("nsfw").type == "bool"
+    assert table.column("clip_score").to_pylist() == [30.5, 31.5, 32.5]
+    assert table.column("nsfw").to_pylist() == [False, True, False]
+    features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
+    assert features["clip_score"] == {"dtype": "float32", "_type": "Value"} and features["nsfw"]["dtype"] == "bool"

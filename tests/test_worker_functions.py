@@ -947,3 +947,27 @@ def test_a_staged_step_sets_its_batchs_lora_scales_and_passes_the_warm_ups_step_
     batch = types.SimpleNamespace(lora_scales=(0.5,))
     got = _with_scales(calls.append, batch, lambda *a, **k: (a, k), "pipe", batch, num_inference_steps=1)
     assert calls == [(0.5,)] and got == (("pipe", batch), {"num_inference_steps": 1})
+
+
+def test_a_shard_made_again_stops_being_done_before_its_first_batch_is_written(tmp_path):
+    """launcher/writer/bgwriter.py: a done shard generated again (run.shards=all, run.stale=regenerate) loses its
+    done state when its first batch reaches the writer, before any of its files change: a crash in between leaves
+    it pending, never "done" over a mix of old and new files. The state comes back with the shard's end."""
+    from conftest import until
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
+
+    store, state = Store(tmp_path), tmp_path / "state" / "shard-00000.json"
+    store.write_json("state/shard-00000.json", {"status": "done", "rows": 2})
+    writer = BackgroundWriter(store, load_config("tiny").output, 1, lambda index: None)
+    try:
+        writer.add(0, "shard-00000", samples(["a"], 0, first=0))
+        until(lambda: not state.exists())
+        end = samples(["b"], 1)  # the shard's last sample, handed over with its end: its place, 1
+        writer.submit(ShardJob(0, "shard-00000", end, {"status": "done", "rows": 2, "seconds": 1.0}, {"b": 1}))
+    finally:
+        writer.close()
+    assert json.loads(state.read_text())["status"] == "done"
