@@ -91,7 +91,7 @@ class BackgroundWriter:
         is_cfg = OmegaConf.is_config(output_cfg)
         plain = SimpleNamespace(**(OmegaConf.to_container(output_cfg, resolve=True) if is_cfg else vars(output_cfg)))  # ty: ignore[invalid-argument-type]
         self._start = (store.uri, plain, encode_workers, os.getpid())
-        self._process = self._new_process()
+        self._process: ProcessPoolExecutor = self._new_process()  # declared: `pool = self._process` is never None
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self._thread.start()
