@@ -3275,3 +3275,34 @@ def test_the_quality_columns_are_written_without_kept_columns_too(tmp_path):
     assert table.column("nsfw").to_pylist() == [False, True, False]
     features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
     assert features["clip_score"] == {"dtype": "float32", "_type": "Value"} and features["nsfw"]["dtype"] == "bool"
+
+
+def test_the_memory_plan_adds_every_loras_file(tmp_path):
+    """launcher/sizing/mesh_plan.py lora_bytes: each rank reads every LoRA file whole while fusing: the plan adds
+    all of their bytes, not the last one's."""
+    from launcher.config import load_config
+    from launcher.sizing.mesh_plan import lora_bytes
+
+    (tmp_path / "a.safetensors").write_bytes(b"a" * 1000)
+    (tmp_path / "b.safetensors").write_bytes(b"b" * 24)
+    loras = f"model.loras=[{{path:{tmp_path / 'a.safetensors'}}},{{path:{tmp_path / 'b.safetensors'}}}]"
+    assert lora_bytes(load_config("tiny", [loras])) == 1024
+
+
+def test_one_process_on_a_host_has_the_whole_hosts_share_for_its_images(monkeypatch):
+    """launcher/sizing/work_bounds.py: a worker's images in flight (a call's float32 output, then up to
+    output.queue_shards + 2 batches as uint8) must fit in half of the host's memory over its processes; the mesh
+    plan counts the processes: one process (dp=1, tp=1) has the whole half. A host whose half holds the images 1.5
+    times takes them with one process."""
+    from launcher.config import load_config
+    from launcher.sizing import work_bounds
+    from launcher.sizing.mesh_plan import plan_mesh
+
+    cfg = load_config("tiny", ["mesh.dp=1", "mesh.tp=1", "generate.batch_size=2", "output.queue_shards=1"])
+    g = cfg.generate
+    held = g.batch_size * g.images_per_prompt * g.height * g.width * 3 * (4 + 1 + 2)
+    monkeypatch.setattr(work_bounds, "_host_bytes", lambda: int(held * 1.5 / 0.5))
+    plan_mesh(cfg, "cpu", None)
+    cfg.mesh.dp = 2  # two processes: each has half of that, less than its images
+    with pytest.raises(ConfigError, match=r"^one pipeline call makes 2 images .* over its 2 processes\)"):
+        plan_mesh(cfg, "cpu", None)
