@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 import types
 
 import numpy as np
@@ -702,6 +703,7 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
 
     from launcher.config import load_config
     from launcher.ledger.store import Store
+    from launcher.writer import bgwriter
     from launcher.writer.bgwriter import BackgroundWriter, ShardJob
 
     class Stuck(Store):  # removes state files, not a shard's data
@@ -713,6 +715,16 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     started = []  # each writer process started: the first, and one for its death (not one per failed shard)
     new_process = BackgroundWriter._new_process
     monkeypatch.setattr(BackgroundWriter, "_new_process", lambda self: started.append(new_process(self)) or started[-1])
+    # ...each from the one thread that lives until close(): a process dies with the thread that started it
+    # (launcher/errors.py die_with_parent), and the shard-writer thread that replaces one ends before close() is done.
+    starters = []
+
+    class Pool(bgwriter.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            starters.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bgwriter, "ProcessPoolExecutor", Pool)
     out, recorded = load_config("tiny").output, []
     writer = BackgroundWriter(Stuck(tmp_path), out, 1, recorded.append)
     try:
@@ -741,7 +753,9 @@ def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_nex
     assert done["status"] == "done" and recorded == [0, 1] and writer.failed == [0] and writer.held_images == 0
     assert isinstance(done["write_seconds"], float) and done["write_seconds"] >= 0  # its files' write, timed
     assert pq.read_table(tmp_path / "data" / "shard-00001.parquet")["id"].to_pylist() == ["c", "d", "e"]
-    assert not writers() and len(started) == 2
+    assert not writers() and len(started) == 2 and len(set(starters)) == 1, starters
+    # The new process lived until close() stopped its encoders: it is not tied to the thread that replaced it.
+    assert "could not stop the encoder processes" not in caplog.text
     events = [r.getMessage() for r in caplog.records if r.name == "meshgen.shards"]
     assert events == [f"shard 0 failed: {failed['error']}", "shard 1 done: 3 images in 1.0 s"]
 

@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -91,15 +91,23 @@ class BackgroundWriter:
         is_cfg = OmegaConf.is_config(output_cfg)
         plain = SimpleNamespace(**(OmegaConf.to_container(output_cfg, resolve=True) if is_cfg else vars(output_cfg)))  # ty: ignore[invalid-argument-type]
         self._start = (store.uri, plain, encode_workers, os.getpid())
+        # Writer processes are started from one thread that lives until close(): each asks the kernel to kill it
+        # when the thread that started it ends (errors.py die_with_parent), and the shard-writer thread, which
+        # replaces a process that died, ends before close() stops the process's encoders.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="writer-spawner")
         self._process: ProcessPoolExecutor = self._new_process()  # declared: `pool = self._process` is never None
         self.fatal: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
         self._thread.start()
 
     def _new_process(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(1, mp_context=self._ctx, initializer=_start_writer, initargs=self._start)
-        pool.submit(int)  # start it now, while the model loads: it spawns, imports and warms up (~1 s of CPU)
-        return pool
+        def start() -> ProcessPoolExecutor:
+            pool = ProcessPoolExecutor(1, mp_context=self._ctx, initializer=_start_writer, initargs=self._start)
+            pool.submit(int)  # started now, while the model loads: it spawns, imports and warms up (~1 s of CPU)
+            return pool
+
+        return self._spawner.submit(start).result()
 
     def _renew(self, broken: ProcessPoolExecutor) -> None:
         """A new writer process in place of `broken`, which died (out of memory?) and is reaped here. Once per
@@ -253,7 +261,10 @@ class BackgroundWriter:
         job.state["write_seconds"] = round(time.perf_counter() - t0, 4)
 
     def close(self) -> None:
-        """Write everything queued, then stop."""
+        """Write everything queued, then stop (once: a second call only says again what failed)."""
+        if self._closed:
+            return self._raise_if_failed()
+        self._closed = True
         while self._thread.is_alive():
             try:
                 self._queue.put(None, timeout=1.0)
@@ -266,6 +277,7 @@ class BackgroundWriter:
         except Exception as e:  # noqa: BLE001 - a writer that died has no encoders left to stop
             logger.warning("could not stop the encoder processes: %s", e)
         self._process.shutdown()
+        self._spawner.shutdown()
         self._raise_if_failed()
 
 
