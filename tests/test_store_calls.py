@@ -187,10 +187,12 @@ def test_a_listing_leaves_out_a_live_runs_hidden_files_and_folders_and_sorts_by_
 @pytest.mark.parametrize("call", ["read", "create", "etag"])
 def test_an_s3_endpoint_that_never_answers_is_given_up_on_within_the_bounds(silent_s3, monkeypatch, call):
     """store.py: no S3 request of ours waits past S3_TIMEOUT_S to connect or for an answer (boto3's reads:
-    twice that, 2 tries), and Store._call tries no call again past RETRY_BUDGET_S: pyarrow's reads, boto3's
-    conditional create, and the ETag a glob asks for where two objects share a size and a time. With those at
-    0.2 s and 0.5 s each call gives up within 2 s of waiting; the clients' own defaults (boto3: 60 s, 5 tries)
-    would hold it for minutes. The call runs in a thread, so a wait past the bound fails the test, not the suite."""
+    twice that, 2 tries): pyarrow's reads (which Store._call tries again until RETRY_BUDGET_S), boto3's conditional
+    create, and the ETag a glob asks for where two objects share a size and a time. With those at 0.2 s and 0.5 s
+    each call gives up within 2 s of waiting, with an OSError as every store error is; the clients' own defaults
+    (boto3: 60 s, 5 tries) would hold it for minutes. The call runs in a thread, so a wait past the bound fails
+    the test, not the suite."""
+    import socket
     import threading
 
     from launcher.sources import globs
@@ -217,6 +219,13 @@ def test_an_s3_endpoint_that_never_answers_is_given_up_on_within_the_bounds(sile
     worker.join(timeout=10)  # 2 s of waits, and room for a loaded host
     assert not worker.is_alive(), f"the {call} call still waits on a silent endpoint after 10 s"
     assert raised, f"the {call} call answered from an endpoint that never answers"
+    assert isinstance(raised[0], OSError), repr(raised[0])
+    with socket.socket() as closed:  # a port where nothing listens: refused at once, an OSError too
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        store = Store("s3://meshgen-test/run")
+        with pytest.raises(OSError):
+            run()
     # pyarrow's client gives up after 3 s of silence of its own accord (the AWS SDK's default), inside the bound
     # above: its options are what bounds it, on a loaded host as on an idle one.
     options = store.fs.__reduce__()[1][0]

@@ -328,12 +328,27 @@ def _s3_create_exclusive(bucket: str, key: str, data: bytes) -> bool:
     from botocore.exceptions import ClientError
 
     try:
-        boto3.client("s3", config=boto_bounds()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        with boto_errors():
+            boto3.client("s3", config=boto_bounds()).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
             return False
         raise
     return True
+
+
+@contextlib.contextmanager
+def boto_errors():
+    """botocore's transport errors as OSError, as pyarrow's are: a refused connection (EndpointConnectionError) is
+    none, and the callers' one-line handling of a store that cannot be reached would miss it."""
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        yield
+    except BotoCoreError as e:
+        if isinstance(e, OSError):  # botocore's timeouts are OSErrors already
+            raise
+        raise OSError(f"{type(e).__name__}: {e}") from e
 
 
 def _missing(e: OSError) -> bool:

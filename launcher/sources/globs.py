@@ -91,9 +91,10 @@ def _etag(scheme: str, path: str) -> str | None:
     if scheme == "s3://":
         import boto3  # AWS_ENDPOINT_URL and the AWS_* credentials, as pyarrow reads them
 
-        from launcher.ledger.store import boto_bounds
+        from launcher.ledger.store import boto_bounds, boto_errors
 
-        return boto3.client("s3", config=boto_bounds()).head_object(Bucket=bucket, Key=key)["ETag"]
+        with boto_errors():
+            return boto3.client("s3", config=boto_bounds()).head_object(Bucket=bucket, Key=key)["ETag"]
     if scheme == "gs://":
         from launcher.ledger.gcs import gcs_client  # the same server as the listing's (STORAGE_EMULATOR_HOST)
 
