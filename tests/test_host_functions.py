@@ -2243,10 +2243,10 @@ def test_a_component_is_complete_by_its_weight_files_whatever_its_index_files_ho
     check_components("org/p", tmp_path)  # m-1 now stands alone
 
 
-def test_shard_files_no_index_names_stand_alone_only_as_a_whole_set(tmp_path):
-    """A checkpoint's shards are named "<name>-00002-of-00012.<ext>" (transformers' and diffusers' naming): beside
-    an index that names nothing (damaged), the files of a set stand alone only while all of the set is there; the
-    error names the missing ones."""
+def test_shard_files_stand_only_with_an_index_that_names_them(tmp_path):
+    """A checkpoint's shards are named "<name>-00002-of-00012.<ext>" (transformers' and diffusers' naming), and
+    both libraries load them only through the index that names them: beside an index that names nothing (damaged),
+    even a whole set is incomplete, and the error says what is lacking; the index made whole, the component is."""
     from launcher.errors import ConfigError
     from launcher.sizing.model_files import check_components
 
@@ -2254,20 +2254,22 @@ def test_shard_files_no_index_names_stand_alone_only_as_a_whole_set(tmp_path):
     part = tmp_path / "transformer"
     part.mkdir()
     (part / "config.json").write_text("{}")
-    (part / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    index = part / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {}}))
     names = [f"diffusion_pytorch_model-{i:05d}-of-00012.safetensors" for i in range(1, 13)]
-    for name in names[:9] + names[10:]:
+    for name in names:
         (part / name).write_bytes(b"w")
-    (part / "model.fp16-00002-of-00002.safetensors").write_bytes(b"w")  # another set, its first shard missing
     with pytest.raises(ConfigError) as e:
         check_components("org/p", tmp_path)
     assert str(e.value) == (
-        "model.path org/p is an incomplete pipeline: transformer/ lacks weight files "
-        "['diffusion_pytorch_model-00010-of-00012.safetensors', 'model.fp16-00001-of-00002.safetensors']; "
-        "download the whole pipeline again"
+        "model.path org/p is an incomplete pipeline: transformer/ lacks an index naming its weight shards "
+        f"{names[:3]}; download the whole pipeline again"
     )
-    (part / names[9]).write_bytes(b"w")
-    check_components("org/p", tmp_path)  # one whole set: the component is there
+    index.write_text(json.dumps({"weight_map": {f"layer{i}": n for i, n in enumerate(names)}}))
+    check_components("org/p", tmp_path)
+    (part / names[9]).unlink()
+    with pytest.raises(ConfigError, match=rf"transformer/ lacks weight files \['{names[9]}'\]; download"):
+        check_components("org/p", tmp_path)
 
 
 def test_the_largest_part_counts_where_the_parts_take_turns_also_when_it_is_the_text_encoder():

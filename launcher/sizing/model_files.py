@@ -14,21 +14,9 @@ from pathlib import Path
 from launcher.errors import ConfigError
 from launcher.weights import WEIGHT_SUFFIXES  # one list for these checks and the fingerprint
 
-# How transformers and diffusers name the shards of a sharded checkpoint: "model-00002-of-00005.safetensors".
-_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<ext>\..+)$")
-
-
-def whole_files(names: list[str]) -> tuple[list[str], list[str]]:
-    """(those of `names` that are weights on their own, the shards missing from the others' sets): a shard's file
-    stands alone only while every shard of its set is there (with no index to say so, the names do; a half
-    download keeps the first shards)."""
-    sets: dict[tuple, set[int]] = {}
-    for name in names:
-        if m := _SHARD.match(name):
-            sets.setdefault((m["stem"], m["n"], m["ext"]), set()).add(int(m["i"]))
-    gaps = {key: [i for i in range(1, int(key[1]) + 1) if i not in got] for key, got in sets.items()}
-    whole = [f for f in names if not (m := _SHARD.match(f)) or not gaps[m["stem"], m["n"], m["ext"]]]
-    return whole, sorted(f"{s}-{i:05d}-of-{n}{e}" for (s, n, e), missing in gaps.items() for i in missing)
+# How transformers and diffusers name the shards of a sharded checkpoint ("model-00002-of-00005.safetensors"): they
+# load them only through the index that names them, so such a file never stands alone.
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -79,14 +67,19 @@ def check_components(path: str, root: Path) -> None:
         if not (folder / "config.json").is_file():
             continue  # a tokenizer or scheduler: configs only
         # Complete if one index has all its shards (a repo may also carry the index of a format not downloaded),
-        # or if there is a weight file no index refers to.
+        # or if there is a weight file no index refers to and that is no shard.
         maps = [set(read_json(i).get("weight_map", {}).values()) for i in folder.glob("*.index*.json")]
         maps = [m for m in maps if m]  # an index that names no shard (damaged, or not one) vouches for nothing
         missing = [sorted(s for s in m if not (folder / s).exists()) for m in maps]
         weights = [f.name for f in folder.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.exists()]
-        standalone, gaps = whole_files([f for f in weights if not any(f in m for m in maps)])
+        unmapped = [f for f in weights if not any(f in m for m in maps)]
+        standalone = [f for f in unmapped if not _SHARD.search(f)]
         if not standalone and all(missing):
-            what = f"weight files {(missing[0] if missing else gaps)[:3]}" if missing or gaps else "weight files"
+            what = "weight files"
+            if missing:
+                what = f"weight files {missing[0][:3]}"
+            elif unmapped:  # shards no index names: a damaged or missing index
+                what = f"an index naming its weight shards {sorted(unmapped)[:3]}"
             raise ConfigError(
                 f"model.path {path} is an incomplete pipeline: {name}/ lacks {what}; download the whole pipeline again"
             )
