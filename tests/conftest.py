@@ -677,7 +677,8 @@ def silent_s3(monkeypatch):
             except OSError:
                 return
 
-    threading.Thread(target=serve, daemon=True).start()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
         "AWS_ACCESS_KEY_ID": "test",
@@ -687,6 +688,8 @@ def silent_s3(monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     yield
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not): the thread ends, and is joined
     server.close()
+    thread.join(timeout=10)
     for conn in held:
         conn.close()
