@@ -252,6 +252,56 @@ def no_orphans():
 
 
 @pytest.fixture(scope="session")
+def _started_tmp(tmp_path_factory):
+    """The processes the tests start make their temporary files in a folder of this session (TMPDIR), not in /tmp,
+    so that what one leaves is seen (`no_temp_left`), and pytest removes the folder with its own."""
+    folder = tmp_path_factory.mktemp("started-tmp")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
+class _TempWatch:
+    """What the processes a test starts leave in their temporary folder (`_started_tmp`)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.killing = folder, False
+        self.seen = self._listing()
+
+    def _listing(self) -> set[str]:
+        return set(os.listdir(self.folder))
+
+    def accept(self) -> None:
+        """What the processes killed so far left is theirs to leave (kill -9 runs no clean-up); later runs' is not."""
+        self.seen, self.killing = self._listing(), False
+
+    def left(self) -> list[str]:
+        return sorted(n for n in self._listing() - self.seen if not n.startswith("torchinductor_"))
+
+
+@pytest.fixture(autouse=True)
+def no_temp_left(_started_tmp):
+    """A process a test started and that ended on its own leaves nothing in its temporary folder: a run's fetched
+    id map, staged id map, worker logs or torch's log folder stay in a host's /tmp night after night (the id map's
+    hash runs alone are 8 bytes an id). torch's compile cache (torchinductor_*) is meant to stay."""
+    watch = _TempWatch(_started_tmp)
+    yield watch
+    left = watch.left()
+    assert watch.killing or not left, f"processes this test started left temporary files: {left} (in {watch.folder})"
+
+
+@pytest.fixture
+def kills_a_process(no_temp_left) -> _TempWatch:
+    """For a test that kills processes it started: what they leave is not checked, until it calls `.accept()`."""
+    no_temp_left.killing = True
+    return no_temp_left
+
+
+@pytest.fixture(scope="session")
 def once(tmp_path_factory, worker_id):
     """once(name, make) -> a folder that make(folder) filled, made once per `make test` for all xdist workers.
 

@@ -73,7 +73,7 @@ def interrupted(job: list[str], out: Path) -> tuple[subprocess.Popen, list[psuti
     return proc, workers
 
 
-def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean, tmp_path):
+def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean, tmp_path, kills_a_process):
     """One folder, stopped five ways in turn; each run adds shards, and the same command finishes it once, with the
     bytes of a clean run, while a second launch on the busy folder is refused."""
     out = tmp_path / "out"
@@ -127,6 +127,7 @@ def test_every_way_a_job_is_stopped_then_the_same_command_finishes_it(job, clean
     _, alive = psutil.wait_procs(everyone, timeout=10)
     assert not alive, f"orphans: {[' '.join(p.cmdline())[:80] for p in alive]}"
     assert 5 <= done_count(out) < N // 2
+    kills_a_process.accept()  # the killed runs' temporary files; the runs below must leave none
 
     # The same command finishes it. Its host clock runs 90 s ahead, and a second launch meanwhile is refused:
     # liveness never compares two hosts' clocks.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -948,7 +949,7 @@ def test_worker_logs_go_to_a_file_per_rank_and_the_terminal_gets_shard_events_wa
     assert files["rank-2.log"].splitlines() == RANK_LINES[2] and files["rank-0.stdout.log"] == "printed by rank 0\n"
 
 
-def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3):
+def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3, caplog):
     from launcher.host.terminal import WorkerLogs
     from launcher.ledger.store import Store
 
@@ -960,6 +961,14 @@ def test_worker_logs_of_a_bucket_are_written_here_and_uploaded_at_the_end(s3):
         Path(dest.stderrs[0]).write_text("a line\n")
     assert logs.rank_log(1) == f"{s3_store.url('logs/run-2')}/rank-1.log"
     assert s3_store.read_bytes("logs/run-2/rank-1.log") == b"a line\n" and not local.exists()
+    # An upload that fails keeps the only copy, and says where it is.
+    broken = Store("s3://meshgen-test/run")
+    broken.write_bytes = lambda rel, data: (_ for _ in ()).throw(OSError("the bucket refused it"))
+    with pytest.raises(OSError, match="refused"), WorkerLogs(broken, "run-3", verbose=False) as logs:
+        Path(logs.specs.reify({0: {"RANK": "0"}}).stderrs[0]).write_text("the last line\n")
+    assert (logs.folder / "rank-0.log").read_text() == "the last line\n"
+    assert f"the worker logs stay in {logs.folder}: their upload to {broken.url('logs/run-3')} failed" in caplog.text
+    shutil.rmtree(logs.folder.parent)
 
 
 @pytest.fixture
@@ -1936,6 +1945,10 @@ def test_tp_auto_only_takes_a_tp_that_divides_every_sharded_models_heads(monkeyp
     hosts = ["mesh.dp=1", "mesh.tp=auto", "mesh.nodes=2", "mesh.chips_per_host=8", "mesh.chip_memory_gib=16"]
     assert flux2_refusal(*hosts).startswith("mesh.tp=auto: no tp up to 8 fits a v6e chip: at tp=8, ")
     assert sum(flux2_rank_gib(16).values()) + 2 <= 0.9 * 16  # tp=16 fits but does not divide 8 kv heads
+    # A host of 3 chips: tp=3 divides no 32 heads, and tp=4 would fit and divide every head, but is past the chips.
+    three = ["mesh.dp=1", "mesh.tp=auto", "mesh.chips_per_host=3", "mesh.chip_memory_gib=40"]
+    assert flux2_refusal(*three).startswith("mesh.tp=auto: no tp up to 2 fits a v6e chip: at tp=2, ")
+    assert sum(flux2_rank_gib(4).values()) + 2 <= 0.9 * 40 < sum(flux2_rank_gib(2).values()) + 2
 
 
 def test_parameter_counts_are_cached_by_architecture_where_the_guide_says(tmp_path, monkeypatch):

@@ -96,7 +96,9 @@ def test_hosts_started_with_other_settings_all_refuse_before_anything_is_written
 
 
 @pytest.mark.parametrize("axis", ["dp", "tp"])
-def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_model, slow_clean, tmp_path):
+def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(
+    axis, tiny_model, slow_clean, tmp_path, kills_a_process
+):
     mesh = ["mesh.dp=2", "mesh.tp=1"] if axis == "dp" else ["mesh.dp=1", "mesh.tp=2"]
     job = slow_job(tiny_model, tmp_path, N, *mesh)
     clean = slow_clean(1 if axis == "dp" else 2)  # one host, the same tp
@@ -119,6 +121,7 @@ def test_a_lost_host_stops_the_job_and_the_same_command_finishes_it(axis, tiny_m
     kept = done_count(out)
     assert 1 <= kept < N // 2
     second.wait()
+    kills_a_process.accept()  # the killed host's temporary files; the runs below must leave none
     # The same command on both hosts completes it; the dead run's claims are taken over. Strangers on the job's
     # port (the rendezvous store the launchers' heartbeats live in) neither stop, block nor blind it.
     port = free_port()

@@ -143,7 +143,7 @@ def clock_stepped_on(flag, folder, seconds: float) -> dict:
 
 
 @pytest.mark.parametrize("where", ["disk", "s3", "gs"])
-def test_the_same_command_takes_over_the_lock_of_a_killed_run(where, tiny_model, tmp_path, request):
+def test_the_same_command_takes_over_the_lock_of_a_killed_run(where, tiny_model, tmp_path, request, kills_a_process):
     """kill -9 of a whole run (launcher and workers: no heartbeat, no release), then the same command: it takes the
     lock over at once (on S3 too: the lock names a dead process of this machine) and finishes every sample once.
     Its wall clock steps back 120 s mid-run: no duration it prints is negative."""
@@ -159,6 +159,7 @@ def test_the_same_command_takes_over_the_lock_of_a_killed_run(where, tiny_model,
     first.wait()
     psutil.wait_procs(everyone, timeout=20)
     assert read_lock(store, 0)["pid"] == first.pid  # left behind, never released
+    kills_a_process.accept()  # the killed run's temporary files; the run that takes over must leave none
 
     flag = tmp_path / "step-now"
     again = start(*job, env={**env, **clock_stepped_on(flag, tmp_path / "site", -STEP_S)})

@@ -22,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
@@ -140,8 +140,12 @@ class WorkerLogs:
         os.environ.pop(RANK_LOGS_ENV, None)
         self._stack.close()
         if self._upload and self.folder.exists():
-            for f in sorted(self.folder.iterdir()):
-                self.store.write_bytes(f"{LOGS_DIR}/{self.run_id}/{f.name}", f.read_bytes())
+            try:
+                for f in sorted(self.folder.iterdir()):
+                    self.store.write_bytes(f"{LOGS_DIR}/{self.run_id}/{f.name}", f.read_bytes())
+            except BaseException:  # the only copy left: say where it is
+                logger.warning("the worker logs stay in %s: their upload to %s failed", self.folder, self.shown_folder)
+                raise
             shutil.rmtree(self.folder.parent, ignore_errors=True)
 
 
@@ -159,16 +163,20 @@ def launch_workers(args, logs: WorkerLogs | None = None, start: str = "subproces
 
     if args.standalone:  # as torch.distributed.run.run: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    config, cmd, cmd_args = config_from_args(args)
-    if logs is not None:
-        config.logs_specs = logs.specs
-    logger.info("workers start %s", "as fresh interpreters" if start == "subprocess" else "forked, imports done")
-    if start == "subprocess":
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
-        return
-    from launcher.host.worker_start import preloaded_forkserver
-    from launcher.worker.main import entry
+    # torch's default specs make a torchelastic_ folder in /tmp that nothing removes (one a run): ours need none;
+    # without ours, torch's (the workers' error files) go in a folder removed once they were read.
+    temp = tempfile.TemporaryDirectory(prefix="torchelastic_") if logs is None else nullcontext(os.devnull)
+    with temp as args.log_dir:
+        config, cmd, cmd_args = config_from_args(args)
+        if logs is not None:
+            config.logs_specs = logs.specs
+        logger.info("workers start %s", "as fresh interpreters" if start == "subprocess" else "forked, imports done")
+        if start == "subprocess":
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            return
+        from launcher.host.worker_start import preloaded_forkserver
+        from launcher.worker.main import entry
 
-    config.start_method = "forkserver"
-    with preloaded_forkserver():
-        elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)
+        config.start_method = "forkserver"
+        with preloaded_forkserver():
+            elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)

@@ -68,6 +68,7 @@ def run_ranks(model: Path, tp: int, loras: list[Path], out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
+    cmd += [f"--log-dir={out.with_suffix('.logs')}"]  # beside `out`, in its temporary folder (else one in /tmp)
     cmd += ["-m", "tools.bench.lora", "--rank", "--model", str(model), "--tp", str(tp), "--out", str(out)]
     cmd += [arg for f in loras for arg in ("--lora", str(f))]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
