@@ -2235,6 +2235,37 @@ def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixe
                     "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m"}  # fmt: skip
 
 
+def test_a_webdataset_json_carries_kept_timestamp_date_and_decimal_columns_as_text(tmp_path):
+    """DESIGN: kept source columns are carried into every output; JSON has no timestamp, date or decimal type, so
+    a WebDataset sample's JSON holds them as text (the Parquet keeps their types)."""
+    import datetime
+    import decimal
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+    from launcher.writer.writer import KEPT_FIELDS
+
+    kept = (pa.field("taken", pa.timestamp("us")), pa.field("day", pa.date32()), pa.field("price", pa.decimal128(5, 2)))
+    values = {"taken": datetime.datetime(2026, 1, 2, 3, 4, 5), "day": datetime.date(2026, 1, 2)}
+    sample = {"id": "a", "prompt": "p", "seed": 7, "height": 32, "width": 48, "num_inference_steps": 2,
+              "guidance_scale": 1.5, "negative_prompt": "", "model": "m", "encoded": b"png",
+              "price": decimal.Decimal("1.50"), KEPT_FIELDS: kept} | values  # fmt: skip
+    out = load_config("tiny", ["output.webdataset=true", "output.parquet=true"]).output
+    stream = ShardStream(Store(tmp_path), "shard-00000", out)
+    stream.add([sample])
+    stream.commit()
+    with tarfile.open(tmp_path / "webdataset" / "shard-00000.tar") as tar:
+        meta = json.loads(tar.extractfile("a.json").read())
+    assert (meta["taken"], meta["day"], meta["price"]) == ("2026-01-02 03:04:05", "2026-01-02", "1.50")
+    row = pq.read_table(tmp_path / "data" / "shard-00000.parquet").to_pylist()[0]
+    assert {k: row[k] for k in ("taken", "day", "price")} == {**values, "price": decimal.Decimal("1.50")}
+
+
 def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypatch):
     """DESIGN: every host of a job computes its settings; the hosts compare before any generates, and a mismatch
     is exit 2 on every host naming the keys that differ (here through a real TCPStore on loopback, as the

@@ -692,6 +692,36 @@ def test_a_write_that_fails_fails_its_shard_with_the_error_and_leaves_none_of_it
     assert writer.out_of_space and recorded == [2] and not (tmp_path / "full" / "state").exists()
 
 
+def test_a_shard_taken_over_then_claimed_again_is_written_whole(tmp_path):
+    """launcher/writer/bgwriter.py: a shard whose claim another run took over mid-shard is left to it; claimed
+    again later (that run gave it up), the same writer writes it whole: the first attempt's dropped batches are
+    forgotten, not held against the second."""
+    import pyarrow.parquet as pq
+    from conftest import until
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
+
+    recorded, lost, taken = [], [], {0}
+    writer = BackgroundWriter(
+        Store(tmp_path), load_config("tiny").output, 1, recorded.append, lambda i: i not in taken, lost.append
+    )
+    try:
+        writer.add(0, "shard-00000", samples(["a", "b"], 0, first=0))
+        writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
+        until(lambda: lost == [0])
+        taken.clear()
+        writer.add(0, "shard-00000", samples(["c", "d"], 0, first=0))
+        writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": 2, "seconds": 1.0}))
+    finally:
+        writer.close()
+    assert recorded == [0] and writer.failed == []
+    assert json.loads((tmp_path / "state" / "shard-00000.json").read_text())["status"] == "done"
+    assert pq.read_table(tmp_path / "data" / "shard-00000.parquet")["id"].to_pylist() == ["c", "d"]
+
+
 def test_a_writer_process_that_died_fails_its_shard_and_a_new_one_writes_the_next(tmp_path, caplog, monkeypatch):
     """launcher/writer/bgwriter.py, a recovery path: the writer process dies (out of memory, say) while a shard's
     batches are handed over: that shard is recorded failed with the error that broke it, and a new writer process

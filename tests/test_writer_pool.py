@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import psutil
-from conftest import pixels, read_rows
+from conftest import pixels, read_rows, until
 
 from launcher.config import load_config
 from launcher.ledger.store import Store
@@ -62,6 +62,24 @@ def test_encode_workers_start_that_many_encoders_and_write_the_same_images(tmp_p
     # Found by this test: with a nested encoder pool the writer process's exit deadlocked, so close() never
     # returned and every run with output.encode_workers > 1 (the default on hosts with 4+ cores) hung at its end.
     assert closed == {1: True, 3: True}
+
+
+def test_the_encoders_die_with_a_writer_process_killed(tmp_path, kills_a_process):
+    """A writer process killed (out of memory, kill -9) takes its encoders with it: each waits on a queue whose
+    write end it holds itself, so one orphaned would wait for ever."""
+    recorded = threading.Event()
+    writer = BackgroundWriter(Store(tmp_path), load_config("tiny").output, 2, on_recorded=lambda i: recorded.set())
+    try:
+        writer.submit(_job(0))
+        assert recorded.wait(120)
+        [proc] = [w for w in psutil.Process().children() if "spawn_main" in " ".join(w.cmdline())]
+        until(lambda: len(proc.children()) == 2)
+        encoders = proc.children()
+        proc.kill()
+        _, alive = psutil.wait_procs(encoders, timeout=30)
+        assert not alive, f"encoders outlived their writer process: {[e.pid for e in alive]}"
+    finally:
+        assert _close(writer)
 
 
 class _Held(Store):
