@@ -2266,6 +2266,26 @@ def test_a_webdataset_json_carries_kept_timestamp_date_and_decimal_columns_as_te
     assert {k: row[k] for k in ("taken", "day", "price")} == {**values, "price": decimal.Decimal("1.50")}
 
 
+def test_image_files_in_a_bucket_are_the_shards_samples_and_an_earlier_attempts_other_files_go(s3, tmp_path):
+    """DESIGN: `output.image_files=true` writes `images/<shard>/<sample id>.png`; in a bucket each file is written
+    in place, so at the end the shard's image folder holds its samples' files and no other (an earlier attempt's
+    file of a sample no longer in the shard goes)."""
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+
+    store = Store(f"s3://meshgen-test/{tmp_path.name}")
+    store.write_bytes("images/shard-00000/gone.png", b"an earlier attempt's")
+    out = load_config("tiny", ["output.image_files=true"]).output
+    stream = ShardStream(store, "shard-00000", out)
+    base = {"prompt": "p", "seed": 7, "height": 32, "width": 48, "num_inference_steps": 2, "guidance_scale": 1.5,
+            "negative_prompt": "", "model": "m"}  # fmt: skip
+    stream.add([base | {"id": i, "encoded": f"png-{i}".encode()} for i in ("a", "b")])
+    stream.commit()
+    assert sorted(i.base_name for i in store.files("images/shard-00000")) == ["a.png", "b.png"]
+    assert store.read_bytes("images/shard-00000/b.png") == b"png-b"
+
+
 def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypatch):
     """DESIGN: every host of a job computes its settings; the hosts compare before any generates, and a mismatch
     is exit 2 on every host naming the keys that differ (here through a real TCPStore on loopback, as the

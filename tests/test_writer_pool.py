@@ -103,13 +103,17 @@ def test_queue_shards_finished_shards_wait_then_generation_waits(tmp_path):
     assert store.entered.wait(120)  # the writer holds shard 0; the queue is empty
     writer.submit(_job(1))
     writer.submit(_job(2))  # two shards wait: no wait yet
-    third = threading.Thread(target=writer.submit, args=(_job(3),))
+    job = _job(3)
+    third = threading.Thread(target=writer.submit, args=(job,))
     third.start()
     third.join(3)
     assert third.is_alive()  # a third would exceed output.queue_shards=2: generation waits for the writer
     store.release.set()
     third.join(120)
     writer.close()
+    # The wait is in its state, in seconds to the tenth of a millisecond (benchmarks add it to the shard's time).
+    wait = job.state["stages"]["writer_wait"]
+    assert 3.0 <= wait < 130 and wait == round(wait, 4) and wait % 1, wait
     assert sorted(read_rows(tmp_path)) == sorted(f"{i}-{k}" for i in range(4) for k in range(3))
 
 
