@@ -436,6 +436,51 @@ def test_a_run_pushes_its_shards_as_they_are_done_and_the_rest_and_the_card_at_t
     assert (mended / "data" / "shard-00000.parquet").exists() and (mended / "data" / "shard-00001.parquet").exists()
 
 
+def test_shards_offered_while_a_push_is_under_way_all_go_next_and_a_wordless_failure_is_named(
+    run, tmp_path, monkeypatch
+):
+    """publish/run.py: shards offered one look after another while a push is under way are pushed together next,
+    none dropped, and the shard being pushed (each look offers every done shard) is not pushed again; a push that
+    fails with an error of no words names the error's type in the run's last line."""
+    import threading
+
+    from omegaconf import OmegaConf
+
+    from launcher.ledger.store import Store
+    from launcher.publish import run as publish_run
+
+    as_written(run)
+    shard(run, 2, {"data/shard-00002.parquet": parquet_bytes(["d"])})
+    real, calls, entered, release = publish_run.publish, [], threading.Event(), threading.Event()
+
+    def held(*args, **kw):  # the first push waits until both offers below were made
+        calls.append(kw.get("only"))
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(publish_run, "publish", held)
+    pub = publish_run.start_publisher(
+        OmegaConf.create({"output": {"publish": str(tmp_path / "site")}}), Store(str(run))
+    )
+    pub.offer([0])
+    assert entered.wait(30)
+    pub.offer([0, 1])  # the progress's looks: every done shard of the run each time
+    pub.offer([0, 1, 2])
+    release.set()
+    until(lambda: len(calls) == 2)
+    assert pub.finish() is None and calls == [[0], [1, 2], None] and pub.sent == {0, 1, 2}
+
+    def wordless(*args, **kw):
+        raise TimeoutError()
+
+    monkeypatch.setattr(publish_run, "publish", wordless)
+    site = tmp_path / "other"
+    pub = publish_run.start_publisher(OmegaConf.create({"output": {"publish": str(site)}}), Store(str(run)))
+    assert pub.finish().startswith(f"the push to output.publish={site} failed (TimeoutError); the generated shards")
+
+
 def test_the_publish_tools_help_names_its_arguments_and_its_image_flags_exclude_each_other(capsys, monkeypatch):
     """DESIGN: `python -m tools.publish OUTPUT_DIR TARGET`; docs/operations.md: image files unless --no-images."""
     from launcher.publish import push

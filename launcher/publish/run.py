@@ -34,13 +34,14 @@ class RunPublisher:
         self.sent: set[int] = set()
         self.error: str | None = None
         self._pending: set[int] = set()
+        self._pushing: set[int] = set()  # offered again at each look while pushed: not pushed twice
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
         self._thread = threading.Thread(target=self._loop, name="publish", daemon=True)
         self._thread.start()
 
     def offer(self, done: Iterable[int]) -> None:
         with self._lock:
-            new = set(done) - self.sent - self._pending
+            new = set(done) - self.sent - self._pending - self._pushing
             if new and self.error is None:
                 self._pending |= new
                 self._wake.set()
@@ -51,6 +52,7 @@ class RunPublisher:
             self._wake.clear()
             with self._lock:
                 batch, self._pending, stop = sorted(self._pending), set(), self._stop
+                self._pushing = set(batch)
             if batch:
                 try:
                     publish(self.store, self.uri, only=batch, card=False, say=logger.info, target=self.target)
@@ -59,6 +61,8 @@ class RunPublisher:
                 except Exception as e:  # noqa: BLE001 - any failure: stop pushing; finish() tries once more
                     self.error = _why(e)
                     logger.warning("the push of shards %s to %s failed (%s); retried at the end", batch, self.uri, e)
+                with self._lock:
+                    self._pushing = set()
             if stop:
                 return
 
