@@ -2286,6 +2286,23 @@ def test_image_files_in_a_bucket_are_the_shards_samples_and_an_earlier_attempts_
     assert store.read_bytes("images/shard-00000/b.png") == b"png-b"
 
 
+def test_the_tiny_model_is_built_on_first_use_at_its_own_location_and_nowhere_else(tmp_path, monkeypatch):
+    """conf/model/tiny_flux2.yaml: the project's tiny model is built on first use, at `models/tiny-flux2` of the
+    checkout only; a missing path elsewhere is exit 2, and nothing is built there."""
+    import launcher.config
+    from launcher.checks.prepare import fetch_model
+    from launcher.config import load_config
+    from launcher.errors import ConfigError
+
+    monkeypatch.setattr(launcher.config, "REPO_ROOT", tmp_path)  # the checkout, as default_dir sees it
+    elsewhere, own = tmp_path / "elsewhere", tmp_path / "models" / "tiny-flux2"
+    with pytest.raises(ConfigError, match=f"built on first use only at its own location {own};"):
+        fetch_model(load_config("tiny", [f"model.path={elsewhere}"]))
+    assert not elsewhere.exists()
+    fetch_model(load_config("tiny", [f"model.path={own}"]))
+    assert json.loads((own / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
+
+
 def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypatch):
     """DESIGN: every host of a job computes its settings; the hosts compare before any generates, and a mismatch
     is exit 2 on every host naming the keys that differ (here through a real TCPStore on loopback, as the
