@@ -1786,6 +1786,7 @@ FAST_CASES = {  # (suffix, bytes, whether the fast reader must read it itself)
     "csv, empty cells": ("csv", b"prompt,seed,negative_prompt\nx,,\ny,3,no\n", None),
     "csv, bad int": ("csv", b"prompt,seed\nx,1.5\n", False),
     "plain jsonl": ("jsonl", b"".join(b'{"prompt": "p%d", "seed": %d}\n' % (i, i) for i in range(7)), True),
+    "jsonl with a BOM": ("jsonl", b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n', True),
     "jsonl, nulls and floats": (
         "jsonl",
         b'{"prompt": "a", "guidance_scale": 3}\n{"prompt": "b", "seed": null}\n',

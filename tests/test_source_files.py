@@ -211,19 +211,6 @@ def test_a_hub_repo_with_no_data_file_is_refused_and_a_gated_one_says_its_http_s
     assert "(HTTP 403: the repo is gated: accept its conditions on the Hub, then set HF_TOKEN)" in str(e.value)
 
 
-def test_a_stream_with_its_first_bytes_put_back_reads_them_first_by_read_and_by_readinto():
-    """The fast reader peeks at a file's first bytes (a byte-order mark) and puts back what was not one."""
-    import io
-
-    from launcher.sources.prompts_fast import _Prefixed
-
-    s = _Prefixed(b'{"p', io.BytesIO(b'rompt": "a cat"}\n'))
-    buf = bytearray(5)
-    assert s.readinto(buf) == 5 and bytes(buf) == b'{"pro'
-    assert s.read(4) == b'mpt"' and s.read() == b': "a cat"}\n' and s.read() == b""
-    assert io.BufferedReader(_Prefixed(b"ab", io.BytesIO(b"cd"))).read() == b"abcd"
-
-
 def test_a_hub_error_is_said_by_its_first_line_cut_at_300_characters_or_else_its_kind():
     from launcher.sources.hub_source import _first_line
 

@@ -114,30 +114,8 @@ def _jsonl(fs, p: str, src: Source, offset: int) -> Iterator[pa.RecordBatch]:
         value = json.loads(first).get(src.id_column) if first.strip().startswith("{") else None
         fields[src.id_column] = pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
     options = pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore")
-    with open_from(fs, p, offset) as s:
-        head = s.read(3)  # pyarrow's JSON reader does not skip a byte-order mark: drop it, or put back what it was
-        stream = s if head == b"\xef\xbb\xbf" and not offset else _Prefixed(head, s)
-        yield from pj.open_json(stream, read_options=pj.ReadOptions(block_size=_BLOCK), parse_options=options)
-
-
-class _Prefixed(io.RawIOBase):
-    """A stream with a few bytes already read put back in front."""
-
-    def __init__(self, head: bytes, rest):
-        self.head, self.rest = head, rest
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        out, self.head = self.head, b""
-        more = self.rest.read() if n < 0 else self.rest.read(max(0, n - len(out)))
-        return out + more
-
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+    with open_from(fs, p, offset) as s:  # pyarrow's JSON reader skips a leading byte-order mark itself
+        yield from pj.open_json(s, read_options=pj.ReadOptions(block_size=_BLOCK), parse_options=options)
 
 
 def _csv(raw, src: Source, header: list[str] | None) -> Iterator[pa.RecordBatch]:
