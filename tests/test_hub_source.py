@@ -73,7 +73,7 @@ def test_a_launch_over_a_hub_glob_generates_the_sources_rows(tiny_model, hub, hu
     assert not hub.requested("PUT") and not [p for p in hub.requested("POST") if "paths-info" not in p]
 
 
-def test_a_glob_a_revision_and_a_whole_repo_resolve_to_their_files(hub_env, monkeypatch):
+def test_a_glob_a_revision_and_a_whole_repo_resolve_to_their_files(hub, hub_env, monkeypatch):
     from launcher.ledger import store
 
     monkeypatch.setitem(store._OPENED, "remote", False)  # as in a fresh launcher
@@ -86,6 +86,10 @@ def test_a_glob_a_revision_and_a_whole_repo_resolve_to_their_files(hub_env, monk
     assert source_files(f"{ADDRESS}@v1") == [f"{ADDRESS}@v1/old.txt"]  # huggingface_hub's @REVISION syntax
     rows = [r for b in read_batches(Source(f"{ADDRESS}@v1/*.txt")) for r in b.to_pylist()]
     assert [(r["id"], r["prompt"]) for r in rows] == [("0", "an older prompt")]
+    # A repo whose name ends as a path's end may (a trailing slash is dropped, nothing else).
+    hub.repos["datasets/org/prompts-FLUX"] = Repo({"p.txt": b"a prompt\n"})
+    for given in ("hf://datasets/org/prompts-FLUX", "hf://datasets/org/prompts-FLUX/"):
+        assert source_files(given) == ["hf://datasets/org/prompts-FLUX/p.txt"]
 
 
 def test_globs_on_the_hub_match_as_python_glob_on_disk(hub, hub_env, tmp_path):

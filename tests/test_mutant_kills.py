@@ -1820,6 +1820,20 @@ def test_the_fast_reader_yields_what_the_exact_reader_does_or_gives_up(case, tmp
         assert [b.num_rows for b in batches] == [3] * (len(exact) // 3) + ([len(exact) % 3] if len(exact) % 3 else [])
 
 
+def test_a_grown_text_file_is_read_from_its_old_end_by_the_fast_reader_as_by_the_exact_one(tmp_path):
+    """A nightly .txt source that grew is read from its old end (docs/operations.md), its rows numbered on from the
+    old ones; a U+FEFF there is text, as it is anywhere but at the start of the file."""
+    from launcher.sources import prompts
+    from launcher.sources.prompts_fast import fast_batches
+
+    f, old = tmp_path / "p.txt", b"\xef\xbb\xbfa\nb\n"
+    f.write_bytes(old + "\ufeffc\nd\n".encode())
+    src = prompts.Source(str(f))
+    fast = [(r["id"], r["prompt"]) for b in fast_batches(str(f), src, 2, len(old)) for r in b.to_pylist()]
+    exact = [(r["id"], r["prompt"]) for r in prompts._exact_rows(str(f), src, 2, len(old))]
+    assert fast == exact == [("2", "\ufeffc"), ("3", "d")]
+
+
 SIZED = {  # rows of a JSON lines source -> whether the fast reader must give up (the exact reader judges them)
     "sizes that fit": ([{"height": 64, "width": 32}, {"height": 128}, {"width": 48}], False),
     "a height off the multiple": ([{"height": 64}, {"height": 72}], True),
