@@ -32,9 +32,15 @@ from mutants import REPO, ROOMS, module_of, server_pool, verdicts  # noqa: E402
 JOB = "tests/test_job.py::test_tiny_job_at_tp2_writes_complete_shards"
 FAULTS = "tests/test_faults.py::test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard"
 WRITE = "tests/test_faults.py::test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go"
+LORA = "tests/test_lora.py::test_loras_fused_at_tp1_equal_diffusers_and_tp2_within_2_levels"
+SWEEP = "tests/test_sweep.py::test_every_prompt_at_every_variant_with_the_plain_runs_seed_and_image"
 # Module-name prefix -> the launched tests that run its code; the longest prefix that matches wins.
 E2E = {
     "launcher.worker": [JOB, FAULTS, WRITE],
+    # Code that only a LoRA or a sweep runs: the generic jobs above never reach it (session 26's sample).
+    "launcher.worker.lora": [LORA],
+    "launcher.worker.lora_fuse": [LORA],
+    "launcher.worker.staged": [JOB, SWEEP],
     "launcher.writer": [JOB, WRITE, "tests/test_outputs.py"],
     "launcher.host": [JOB, "tests/test_job.py::test_rerunning_a_finished_job_does_nothing", FAULTS],
     "launcher.host.peers": ["tests/test_hosts.py"],
