@@ -49,7 +49,12 @@ def test_the_index_saves_a_read_per_unchanged_state(tmp_path):
     assert "traceback" not in first.states[0]  # the index keeps what readers use
     first.save_index()
     again = Ledger(store)
+    read = store.read_bytes
+    indexes = []
+    store.read_bytes = lambda rel: indexes.append(rel) or read(rel)
     assert again.refresh() == first.states and again.reads == 0
+    assert again.refresh() == first.states and indexes == ["state/index.json.gz"]  # read once, not at each look
+    store.read_bytes = read
     store.write_json(state_rel(3), {"status": "failed", "rows": 2, "error": "boom, a longer one"})
     store.delete(state_rel(4))
     states = Ledger(store).refresh()

@@ -3019,7 +3019,10 @@ def test_storage_emulator_host_is_read_as_googles_clients_read_it(env, url, monk
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", env)
     assert gcs_mod.gcs_emulator() == url
     if url is not None:
-        assert gcs_mod.open_gcs("gs://bucket/some/folder/")[1] == "bucket/some/folder"
+        fs, path = gcs_mod.open_gcs("gs://bucket/some/folder/")
+        assert path == "bucket/some/folder"
+        options = fs.__reduce__()[1][0]  # what the filesystem pickles: its options (pyarrow's own default: http)
+        assert f"{options['scheme']}://{options['endpoint_override']}" == url and options["anonymous"]
 
 
 def test_a_prompt_id_that_is_another_prompts_sample_id_is_refused_in_either_order_and_both_forms():
