@@ -1874,6 +1874,22 @@ def test_a_cuda_host_names_its_gpu_and_memory_from_nvidia_smi(answer, code, foun
     assert _detect("cuda") == found
 
 
+def test_an_nvidia_smi_that_never_answers_leaves_the_chip_unknown_within_its_bound(tmp_path, monkeypatch):
+    """A hung driver (nvidia-smi waiting on a GPU that fell off the bus) must not hang the launch."""
+    import time
+
+    from launcher.sizing import mesh_plan
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexec sleep 60\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(mesh_plan, "DETECT_TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    assert mesh_plan._detect("cuda") == ("cuda", None)
+    assert time.monotonic() - start < 30
+
+
 def test_a_cpu_host_is_its_own_chip_with_its_ram_and_an_unknown_device_is_unknown(monkeypatch):
     from launcher.sizing.mesh_plan import _detect
 

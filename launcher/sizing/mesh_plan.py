@@ -275,6 +275,9 @@ def detect_chip(cfg, device: str) -> Chip:
     return Chip(name, float(memory_gib) if memory_gib else None, per_host or None)
 
 
+DETECT_TIMEOUT_S = 10.0  # a hung driver must not hang the launch: the chip is then unknown
+
+
 def _detect(device: str) -> tuple[str, float | None]:
     if device == "tpu":  # TPU VMs name their slice, e.g. v6e-8, v5litepod-4, tpu7x-8
         kind = os.environ.get("TPU_ACCELERATOR_TYPE", "").split("-")[0].lower()
@@ -285,7 +288,7 @@ def _detect(device: str) -> tuple[str, float | None]:
                 ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
                 capture_output=True,
                 text=True,
-                timeout=10,
+                timeout=DETECT_TIMEOUT_S,
                 check=True,
             ).stdout.splitlines()[0]
             gpu, mib = (s.strip() for s in out.rsplit(",", 1))
