@@ -93,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sample = random.Random(args.seed).sample(pool, min(args.n, len(pool)))
     with server_pool(1) as servers:
-        # Not OMP_NUM_THREADS: each test run is a fresh pytest (nothing forked), and a dry run prints the
-        # export of it only where the user set none (test_launch.py's control failed with it set).
-        env = {**os.environ, **servers}
-        env.pop("OMP_NUM_THREADS", None)
+        env = {**os.environ, **servers, "OMP_NUM_THREADS": "1"}
         controls = {}
         for tests in {tuple(tests_of(m)) for m in sample if tests_of(m)}:
             verdict, took = pytest(CONTROL, list(tests), env, timeout_s=900)
