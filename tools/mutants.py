@@ -4,6 +4,7 @@
     python tools/mutants.py --counts                         print the counts of the last runs only
     python tools/mutants.py ROOM --survivors                 list the room's survivors (`mutmut show NAME`)
     python tools/mutants.py ROOM --again                     run only what the last run did not kill
+    python tools/mutants.py ROOM --again --fresh-stats       the same, each function's tests recorded afresh first
     python tools/mutants.py [ROOM] --kinds                   what each room's survivors change (tools/mutant_kinds.py)
     python tools/mutants.py ROOM --sample 20 [--seed 1]      a seeded sample of its "behaviour" survivors, each
                                                              with its change, to judge by hand (docs/mutation-audit.md)
@@ -16,7 +17,9 @@ only those, so each room gets the tests that cover it without a list per room. A
 `--again` names instead the room's mutants that the last run left alive, without a test, suspicious or not checked
 (after new tests, minutes instead of the room's hour); a function changed since then gets new mutants as that run
 starts, which it then runs too. A change of pyproject's test list makes mutmut forget every result: then run the room
-whole.
+whole. mutmut updates its stats by running only tests that are new: a function added or renamed since (a helper
+split out of another) is seen called by none of the old tests that reach it, and its mutants read "no tests" or
+"survived" against too few tests; `--fresh-stats` records them all again first (one run of the fast tests).
 """
 
 from __future__ import annotations
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", action="store_true", help="only say what the unkilled mutants change, by kind")
     parser.add_argument("--sample", type=int, metavar="N", help="only show N behaviour survivors, drawn at random")
     parser.add_argument("--seed", type=int, default=1, help="the draw of --sample (default 1)")
+    parser.add_argument("--fresh-stats", action="store_true", help="record again which tests call each function")
     args = parser.parse_args(argv)
     # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(n for r in rooms for n, v in verdicts(r).items() if v in ("survived", "suspicious")))
         return 0
     walls: dict[str, float] = {}
+    if args.fresh_stats:  # mutmut runs only new tests for its stats: a function added since has old tests unseen
+        (REPO / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     if not args.counts:
         for r in rooms:
             names = unkilled(r) if args.again else None
