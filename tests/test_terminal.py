@@ -1,5 +1,6 @@
 """A clean terminal (issue 17): worker lines above the bar, one per shard event; per-rank log files hold the rest."""
 
+import json
 import re
 
 from conftest import launch
@@ -43,6 +44,8 @@ def test_default_terminal_shows_one_line_per_shard_event_and_files_hold_the_rest
     assert re.search(r"load \d", stages) and "warmup" in stages and re.search(r"start-up \d+\.?\d* s", stages)
     assert not [p for p in pieces if "launcher.worker." in p]  # routine worker lines stay in the files
     logs = run_log_dir(out, res.stderr)
+    [record] = (out / "runs").glob("*.json")
+    assert logs.name == json.loads(record.read_text())["run_id"]  # DESIGN: logs/<run id>/rank-N.log
     assert sorted(f.name for f in logs.glob("rank-*.log")) == ["rank-0.log", "rank-0.stdout.log", "rank-1.log"] + [
         "rank-1.stdout.log"
     ]

@@ -32,6 +32,7 @@ from mutants import REPO, ROOMS, module_of, server_pool, verdicts  # noqa: E402
 JOB = "tests/test_job.py::test_tiny_job_at_tp2_writes_complete_shards"
 FAULTS = "tests/test_faults.py::test_an_injected_failure_on_the_last_tp_rank_fails_only_that_shard"
 WRITE = "tests/test_faults.py::test_a_failed_write_fails_only_that_shard_and_a_killed_writes_leftovers_go"
+STOPS = "tests/test_faults.py::test_every_way_a_job_is_stopped_then_the_same_command_finishes_it"  # whose server
 LORA = "tests/test_lora.py::test_loras_fused_at_tp1_equal_diffusers_and_tp2_within_2_levels"
 SWEEP = "tests/test_sweep.py::test_every_prompt_at_every_variant_with_the_plain_runs_seed_and_image"
 # Module-name prefix -> the launched tests that run its code; the longest prefix that matches wins.
@@ -47,7 +48,7 @@ E2E = {
     "launcher.host.agreement": ["tests/test_hosts.py"],
     "launcher.host.terminal": ["tests/test_terminal.py"],
     "launcher.host.metrics": ["tests/test_metrics.py"],
-    "launcher.host.worker_start": [JOB, "tests/test_launch.py"],
+    "launcher.host.worker_start": [JOB, "tests/test_launch.py", STOPS],
     "launcher.publish": ["tests/test_publish.py"],
     "launcher.checks": ["tests/test_launch.py", "tests/test_hosts.py::test_a_port_in_use_is_one_line_at_start"],
     "launcher.checks.download": ["tests/test_download.py"],
