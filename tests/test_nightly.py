@@ -218,6 +218,23 @@ def test_a_jsonl_that_grew_is_read_from_its_old_end(tmp_path, monkeypatch):
     assert nights.reads == [[old_end, 1]]
 
 
+def test_a_source_of_one_row_whose_prompt_changed_is_stale_by_its_id(tmp_path, monkeypatch):
+    """The smallest changed file: one row, its prompt edited after it was done. The shard is stale and its id named;
+    the same row unchanged in a file that changed otherwise is not."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS[:1])
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    write(src, [{**ROWS[0], "prompt": "another"}])
+    with pytest.raises(ConfigError, match=r"shards \[0\] are done but their prompts changed since \(samples p000\)"):
+        nights.plan()
+    write(src, [ROWS[0], ROWS[1]])  # changed by a new row (a new id: a new shard); p000 as it was
+    plan, _ = nights.plan()
+    assert [(s.index, s.status) for s in plan.shards] == [(0, "done"), (1, "pending")]
+
+
 def test_an_id_map_on_an_object_store_plans_as_on_disk_and_fetches_its_hash_runs_once(tmp_path, monkeypatch, s3):
     """The id map of an output folder on S3: a rerun plans what the same folder on disk plans (an edit in a done
     shard caught as there), and fetches the map's hash runs once each, into one local folder, removed with the map
