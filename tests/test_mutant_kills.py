@@ -2318,6 +2318,16 @@ def test_the_tiny_model_is_built_on_first_use_at_its_own_location_and_nowhere_el
     assert json.loads((own / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
 
 
+def test_a_pipeline_class_diffusers_lacks_or_none_has_no_lora_loader():
+    """launcher/worker/lora.py loader_class: a custom pipeline's class (not in diffusers) or a model_index.json
+    without one ("") has no LoRA loader: the preflight's one-line refusal rests on it (not an AttributeError)."""
+    from launcher.worker.lora import loader_class
+
+    assert loader_class("MyOwnCustomPipeline") is None and loader_class("") is None
+    assert loader_class("PixArtAlphaPipeline") is None  # in diffusers, without a LoRA loader
+    assert loader_class("Flux2Pipeline").__name__ == "Flux2Pipeline"
+
+
 def test_hosts_that_differ_are_refused_on_every_host_with_the_same_line(monkeypatch):
     """DESIGN: every host of a job computes its settings; the hosts compare before any generates, and a mismatch
     is exit 2 on every host naming the keys that differ (here through a real TCPStore on loopback, as the
