@@ -73,7 +73,7 @@ def test_the_encoders_die_with_a_writer_process_killed(tmp_path, kills_a_process
         writer.submit(_job(0))
         assert recorded.wait(120)
         [proc] = [w for w in psutil.Process().children() if "spawn_main" in " ".join(w.cmdline())]
-        until(lambda: len(proc.children()) == 2)
+        until(lambda: len(proc.children()) == 2, timeout_s=120)  # spawned and imported: slow on a loaded host
         encoders = proc.children()
         proc.kill()
         _, alive = psutil.wait_procs(encoders, timeout=30)
