@@ -308,8 +308,10 @@ def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_fi
 
     from launcher.host.metrics import MetricsFile, numbers
 
+    import time
+
     path = tmp_path / "textfile" / "meshgen.prom"
-    m = MetricsFile(str(path), "/out", "r1", 12, start=0.0)
+    m = MetricsFile(str(path), "/out", "r1", 12, start=time.monotonic() - 30.0)  # the run began 30 s ago
     m.update({})
     families = {f.name: f for f in text_string_to_metric_families(path.read_text())}
     planned = families["meshgen_samples_planned"]
@@ -325,6 +327,9 @@ def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_fi
     assert path.read_text() == "read by the collector"
     m.update({0: {"status": "done", "rows": 2, "seconds": 1.0}})
     assert "meshgen_samples_done" in path.read_text() and [p.name for p in path.parent.iterdir()] == ["meshgen.prom"]
+    families = {f.name: f for f in text_string_to_metric_families(path.read_text())}
+    [run_s] = [s.value for s in families["meshgen_run_seconds"].samples]
+    assert 30 <= run_s < 150  # the run's age, whatever the clock's origin
     m.final({**numbers({}, 1.0), "stage_seconds": {"vae_decode": 0.5}})
     assert 'meshgen_stage_seconds{output="/out",run_id="r1",stage="vae_decode"} 0.5' in path.read_text()
     path.unlink()
