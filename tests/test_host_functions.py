@@ -304,11 +304,11 @@ def test_the_runs_numbers_count_its_shards_samples_seconds_and_stages():
 
 
 def test_the_textfile_is_what_prometheus_reads_and_is_rewritten_only_when_the_finished_shards_change(tmp_path, caplog):
+    import time
+
     from prometheus_client.parser import text_string_to_metric_families
 
     from launcher.host.metrics import MetricsFile, numbers
-
-    import time
 
     path = tmp_path / "textfile" / "meshgen.prom"
     m = MetricsFile(str(path), "/out", "r1", 12, start=time.monotonic() - 30.0)  # the run began 30 s ago
