@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,8 +66,9 @@ def rank_main(model: str, tp: int, loras: list[str], out: str) -> None:
 def run_ranks(model: Path, tp: int, loras: list[Path], out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
-    cmd += [f"--log-dir={out.with_suffix('.logs')}"]  # beside `out`, in its temporary folder (else one in /tmp)
+    from tools.bench import torchrun
+
+    cmd = torchrun(2, out.with_suffix(".logs"))  # beside `out`, in its temporary folder
     cmd += ["-m", "tools.bench.lora", "--rank", "--model", str(model), "--tp", str(tp), "--out", str(out)]
     cmd += [arg for f in loras for arg in ("--lora", str(f))]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -158,8 +157,9 @@ def run_ranks(model: Path, tp: int, out: Path, nproc: int = 2) -> list[dict]:
     # device, so on a CUDA host the shards would land on the GPU and out of the measured host memory.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
-    cmd += [f"--log-dir={out.with_suffix('.logs')}"]  # beside `out`, in its temporary folder (else one in /tmp)
+    from tools.bench import torchrun
+
+    cmd = torchrun(nproc, out.with_suffix(".logs"))  # beside `out`, in its temporary folder
     cmd += [__file__, "--model", str(model), "--tp", str(tp), "--out", str(out)]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if res.returncode != 0:

@@ -207,9 +207,13 @@ def scenarios(args: argparse.Namespace, work: Path, env: dict, model: str) -> di
         return r
 
     runs = {}
-    ballast = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-    ballast += ["-m", "tools.bench.nightly", WORKER_FLAG, str(args.ballast_mb)]
-    runs["calibration"] = launch(ballast, env, args.kill_gb) if args.ballast_mb else None
+    runs["calibration"] = None
+    if args.ballast_mb:
+        from tools.bench import torchrun
+
+        with tempfile.TemporaryDirectory(prefix="bench-calibration-") as logs:
+            ballast = [*torchrun(1, Path(logs)), "-m", "tools.bench.nightly", WORKER_FLAG, str(args.ballast_mb)]
+            runs["calibration"] = launch(ballast, env, args.kill_gb)
     src = write_source(work / f"src-{args.rows}x{args.files}", args.rows, args.files)
     added = src / f"part-{args.files:05d}.parquet"
     added.unlink(missing_ok=True)
