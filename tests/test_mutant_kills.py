@@ -2217,25 +2217,36 @@ def test_a_rows_own_setting_is_taken_within_the_configs_bounds_or_refused_naming
     }.get(key, "an integer of 1 or more")
 
 
+# A written row's fields as the worker hands them to the writer (launcher/writer/stream.py), less its id and image.
+_ROW = {"prompt": "p", "seed": 7, "height": 32, "width": 48, "num_inference_steps": 2, "guidance_scale": 1.5,
+        "negative_prompt": "", "model": "m"}  # fmt: skip
+
+
+def _write_shard(store, samples: list[dict], *overrides: str) -> None:
+    """shard-00000 of `samples` (each its id, its image's `encoded` bytes and what differs from _ROW), written
+    through ShardStream with conf tiny's output settings and `overrides`."""
+    from launcher.config import load_config
+    from launcher.writer.stream import ShardStream
+
+    stream = ShardStream(store, "shard-00000", load_config("tiny", list(overrides)).output)
+    stream.add([_ROW | s for s in samples])
+    stream.commit()
+
+
 def test_a_webdataset_shard_holds_each_samples_image_and_json_in_order_with_fixed_metadata(tmp_path):
     """launcher/writer/stream.py: `<key>.<ext>` and `<key>.json` per sample, in order, keys from the sample ids
     as file names, mode 644 and time 0 so that the same samples give the same bytes; the JSON holds the row's
     columns but the image."""
     import tarfile
 
-    from launcher.config import load_config
     from launcher.ledger.store import Store
-    from launcher.writer.stream import ShardStream
 
     def sample(i, pid):
-        return {"id": i, "prompt_id": pid, "prompt": f"p {i}", "seed": 7, "height": 32, "width": 48,
-                "num_inference_steps": 2, "guidance_scale": 1.5, "negative_prompt": "", "model": "m",
-                "image": {"bytes": b"x", "path": None}, "encoded": f"png-{i}".encode()}  # fmt: skip
+        return {"id": i, "prompt_id": pid, "prompt": f"p {i}", "image": {"bytes": b"x", "path": None},
+                "encoded": f"png-{i}".encode()}  # fmt: skip
 
     def webdataset_tar(folder) -> bytes:
-        stream = ShardStream(Store(folder), "shard-00000", load_config("tiny", ["output.webdataset=true"]).output)
-        stream.add([sample("a-1", "a"), sample("a/0", "a")])
-        stream.commit()
+        _write_shard(Store(folder), [sample("a-1", "a"), sample("a/0", "a")], "output.webdataset=true")
         return (folder / "webdataset" / "shard-00000.tar").read_bytes()
 
     data = webdataset_tar(tmp_path / "one")
@@ -2260,20 +2271,13 @@ def test_a_webdataset_json_carries_kept_timestamp_date_and_decimal_columns_as_te
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from launcher.config import load_config
     from launcher.ledger.store import Store
-    from launcher.writer.stream import ShardStream
     from launcher.writer.writer import KEPT_FIELDS
 
     kept = (pa.field("taken", pa.timestamp("us")), pa.field("day", pa.date32()), pa.field("price", pa.decimal128(5, 2)))
     values = {"taken": datetime.datetime(2026, 1, 2, 3, 4, 5), "day": datetime.date(2026, 1, 2)}
-    sample = {"id": "a", "prompt": "p", "seed": 7, "height": 32, "width": 48, "num_inference_steps": 2,
-              "guidance_scale": 1.5, "negative_prompt": "", "model": "m", "encoded": b"png",
-              "price": decimal.Decimal("1.50"), KEPT_FIELDS: kept} | values  # fmt: skip
-    out = load_config("tiny", ["output.webdataset=true", "output.parquet=true"]).output
-    stream = ShardStream(Store(tmp_path), "shard-00000", out)
-    stream.add([sample])
-    stream.commit()
+    sample = {"id": "a", "encoded": b"png", "price": decimal.Decimal("1.50"), KEPT_FIELDS: kept} | values
+    _write_shard(Store(tmp_path), [sample], "output.webdataset=true", "output.parquet=true")
     with tarfile.open(tmp_path / "webdataset" / "shard-00000.tar") as tar:
         meta = json.loads(tar.extractfile("a.json").read())
     assert (meta["taken"], meta["day"], meta["price"]) == ("2026-01-02 03:04:05", "2026-01-02", "1.50")
@@ -2285,18 +2289,11 @@ def test_image_files_in_a_bucket_are_the_shards_samples_and_an_earlier_attempts_
     """DESIGN: `output.image_files=true` writes `images/<shard>/<sample id>.png`; in a bucket each file is written
     in place, so at the end the shard's image folder holds its samples' files and no other (an earlier attempt's
     file of a sample no longer in the shard goes)."""
-    from launcher.config import load_config
     from launcher.ledger.store import Store
-    from launcher.writer.stream import ShardStream
 
     store = Store(f"s3://meshgen-test/{tmp_path.name}")
     store.write_bytes("images/shard-00000/gone.png", b"an earlier attempt's")
-    out = load_config("tiny", ["output.image_files=true"]).output
-    stream = ShardStream(store, "shard-00000", out)
-    base = {"prompt": "p", "seed": 7, "height": 32, "width": 48, "num_inference_steps": 2, "guidance_scale": 1.5,
-            "negative_prompt": "", "model": "m"}  # fmt: skip
-    stream.add([base | {"id": i, "encoded": f"png-{i}".encode()} for i in ("a", "b")])
-    stream.commit()
+    _write_shard(store, [{"id": i, "encoded": f"png-{i}".encode()} for i in ("a", "b")], "output.image_files=true")
     assert sorted(i.base_name for i in store.files("images/shard-00000")) == ["a.png", "b.png"]
     assert store.read_bytes("images/shard-00000/b.png") == b"png-b"
 
