@@ -22,6 +22,7 @@ from pathlib import Path
 
 LOG_CALLS = {"debug", "info", "warning", "error", "exception", "critical"}
 NAME = re.compile(r"(?P<func>.+)__mutmut_(?P<n>orig|\d+)$")
+NAME_IN_DEF = re.compile(r"__mutmut_(orig|\d+)\(")
 
 
 def functions(source: str) -> dict[str, str]:
@@ -91,14 +92,19 @@ def kinds(mutants: Path, module_path: str, names: list[str]) -> dict[str, str]:
 
 
 def diff(mutants: Path, module_path: str, name: str) -> list[str]:
-    """The mutant's change, as `-` lines of the original and `+` lines of the mutant (the def line left out)."""
-    orig, mutant = _pair(functions((mutants / module_path).read_text()), name)
-    a, b = (orig or "").splitlines()[1:], (mutant or "").splitlines()[1:]
-    return [
-        line
-        for line in difflib.unified_diff(a, b, lineterm="", n=0)
-        if line[:1] in "-+" and line[:3] not in ("---", "+++")
-    ]
+    """The mutant's change, as `-` lines of the original and `+` lines of the mutant."""
+    return change(*_pair(functions((mutants / module_path).read_text()), name))[1]
+
+
+def change(orig: str | None, mutant: str | None) -> tuple[int, list[str]]:
+    """The first line the mutant changes (1: the def line, where a default value changed) and `diff`'s lines."""
+    a, b = (orig or "").splitlines(), (mutant or "").splitlines()
+    if a and b:  # the def lines differ by the function's name too
+        a[0], b[0] = (NAME_IN_DEF.sub("(", line, count=1) for line in (a[0], b[0]))
+    ops = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
+    first = next((i1 + 1 for tag, i1, *_ in ops if tag != "equal"), 0)
+    lines = [line for line in difflib.unified_diff(a, b, lineterm="", n=0) if line[:1] in "-+"]
+    return first, [line for line in lines if line[:3] not in ("---", "+++")]
 
 
 def kind_counts(mutants: Path, by_module: dict[str, list[str]]) -> Counter:

@@ -8,6 +8,8 @@
     python tools/mutants.py [ROOM] --kinds                   what each room's survivors change (tools/mutant_kinds.py)
     python tools/mutants.py ROOM --sample 20 [--seed 1]      a seeded sample of its "behaviour" survivors, each
                                                              with its change, to judge by hand (docs/mutation-audit.md)
+    python tools/mutants.py ROOM --unjudged                  the survivors docs/survivors/ROOM.txt does not judge,
+                                                             each as a block to judge there (tools/mutant_verdicts.py)
 
 A room is a folder (sources, plan, ids, ledger, checks, sizing, host, publish, worker, writer, jobs); pyproject's
 [tool.mutmut] mutates them all and names one list of fast tests for them all. mutmut's stats run (once, kept in
@@ -38,6 +40,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported by the tests
+from mutant_verdicts import VERDICTS, Survivor, judge, parse, survivors  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "sizing", "host", "publish", "worker", "writer")
 ROOMS = {room: f"launcher/{room}" for room in LAUNCHER_ROOMS} | {"jobs": "jobs"}
@@ -45,6 +50,8 @@ ROOMS = {room: f"launcher/{room}" for room in LAUNCHER_ROOMS} | {"jobs": "jobs"}
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout"}
 STATUS |= {-24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", 37: "type error", None: "not checked"}
 COLUMNS = ("killed", "type error", "survived", "no tests", "timeout", "suspicious", "not checked")
+SURVIVED = ("survived", "no tests", "suspicious")
+JUDGED = (*VERDICTS, "unjudged")
 
 
 def room_glob(room: str) -> str:
@@ -102,25 +109,42 @@ def sample(room: str, n: int, seed: int) -> str:
     return "\n".join(lines)
 
 
+def judged_survivors(room: str) -> list[tuple[Survivor, str]]:
+    """The room's survivors (survived, no tests, suspicious), each with its verdict in docs/survivors/ROOM.txt."""
+    names: dict[str, list[str]] = {}
+    for name, verdict in verdicts(room).items():
+        if verdict in SURVIVED:
+            names.setdefault(module_of(name).replace(".", "/") + ".py", []).append(name)
+    found = survivors(REPO / "mutants", names)
+    said = judge(found, parse(REPO / "docs" / "survivors" / f"{room}.txt"))
+    return [(s, said[s.name]) for s in found]
+
+
 def counts(room: str) -> Counter:
-    return Counter(verdicts(room).values())
+    """mutmut's verdicts of the room's mutants, and the judged survivors' verdicts (docs/survivors/)."""
+    return Counter(verdicts(room).values()) + Counter(v for _, v in judged_survivors(room))
 
 
-def score(c: Counter) -> float:
+def score(c: Counter, equivalent: bool = False) -> float:
     """Killed (a timeout is a change the tests noticed, a type error one that `make test`'s type check refuses)
-    over every mutant judged, no-test ones included: a mutant that no test runs is a change no test would notice."""
-    judged = sum(c[k] for k in ("killed", "type error", "timeout", "survived", "no tests", "suspicious"))
+    over every mutant judged, no-test ones included: a mutant that no test runs is a change no test would notice.
+    `equivalent`: over those not judged equivalent (or text only) by hand."""
+    judged = sum(c[k] for k in ("killed", "type error", "timeout", *SURVIVED))
+    judged -= (c["equivalent"] + c["text"]) if equivalent else 0
     return (c["killed"] + c["type error"] + c["timeout"]) / judged if judged else 0.0
 
 
 def table(walls: dict[str, float]) -> str:
     head = f"{'room':8} {'mutants':>7} " + " ".join(f"{k:>11}" for k in COLUMNS) + f" {'score':>6} {'wall':>8}"
-    lines = [head]
+    lines, judged = [head], [f"{'room':8} {'survivors':>9} " + " ".join(f"{k:>10}" for k in JUDGED) + "  score*"]
     for room in ROOMS:
         c = counts(room)
         wall = f"{walls[room] / 60:.1f} min" if room in walls else "-"
         cells = " ".join(f"{c[k]:>11}" for k in COLUMNS)
-        lines.append(f"{room:8} {sum(c.values()):>7} {cells} {score(c):>6.1%} {wall:>8}")
+        lines.append(f"{room:8} {sum(c[k] for k in COLUMNS):>7} {cells} {score(c):>6.1%} {wall:>8}")
+        cells = " ".join(f"{c[k]:>10}" for k in JUDGED)
+        judged.append(f"{room:8} {sum(c[k] for k in SURVIVED):>9} {cells} {score(c, equivalent=True):>7.1%}")
+    lines += ["", "survivors judged by hand (docs/survivors/ROOM.txt; score*: of the mutants not equivalent)", *judged]
     return "\n".join(lines)
 
 
@@ -196,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, metavar="N", help="only show N behaviour survivors, drawn at random")
     parser.add_argument("--seed", type=int, default=1, help="the draw of --sample (default 1)")
     parser.add_argument("--fresh-stats", action="store_true", help="record again which tests call each function")
+    parser.add_argument("--unjudged", action="store_true", help="only show the survivors no one has judged yet")
     args = parser.parse_args(argv)
     # A SIGTERM (kill, a scheduler's stop) ends the run through server_pool's cleanup, not around it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -212,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --sample {args.sample}: draw at least 1 mutant", file=sys.stderr)
             return 2
         print("\n\n".join(sample(r, args.sample, args.seed) for r in rooms))
+        return 0
+    if args.unjudged:
+        for r in rooms:
+            print("\n\n".join(s.block() for s, v in judged_survivors(r) if v == "unjudged"))
         return 0
     if args.survivors:  # `mutmut show NAME` shows one
         print("\n".join(n for r in rooms for n, v in verdicts(r).items() if v in ("survived", "suspicious")))
