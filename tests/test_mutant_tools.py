@@ -111,7 +111,7 @@ def test_a_block_without_a_known_verdict_and_a_reason_names_its_line(tmp_path):
         ("open: no test reads f's result", "open:", "10: the block of line 7"),
     ):
         (tmp_path / "room.txt").write_text(REGISTER.replace(good, bad))
-        with pytest.raises(ValueError, match=f"room.txt:{where} needs '<equivalent|text|launched|open>: <why>'"):
+        with pytest.raises(ValueError, match=f"room.txt:{where} needs '<equivalent|text|launched|open|killed>: <why>'"):
             parse(tmp_path / "room.txt")
     (tmp_path / "room.txt").write_text("== pkg.m.x_f__mutmut_7\n")
     with pytest.raises(ValueError, match="room.txt:1: expected '== <mutant> @ <line>'"):

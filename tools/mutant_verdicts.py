@@ -4,7 +4,9 @@ A survivor is a change of the code that no fast test noticed. Each is judged onc
 - equivalent: no input the product can see changes what it does (say why);
 - text: a label, log line or warning text that no code, file or exit code reads;
 - launched: only a launch runs the code (name the launched test that kills it);
-- open: a real gap no test closes yet (say what test would).
+- open: a real gap no test closes yet (say what test would);
+- killed: a fast test written for it fails with it (name the test); the room's next run counts it killed, and the
+  block then matches no survivor.
 A "log text" mutant (tools/mutant_kinds.py: inside a logging call) is text without a line of its own.
 
 The file holds one block a mutant, as `python tools/mutants.py ROOM --unjudged` prints them:
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from mutant_kinds import NAME, _pair, change, changed_lines, functions, kind_of
 
-VERDICTS = ("equivalent", "text", "launched", "open")
+VERDICTS = ("equivalent", "text", "launched", "open", "killed")
 HEADER = re.compile(r"^== (?P<name>\S+) @ (?P<line>\d+)$")
 Key = tuple[str, int, tuple[str, ...]]
 
