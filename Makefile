@@ -48,7 +48,8 @@ test: venv
 # `make mutants ROOM=worker` runs one room (ROOM=all or none: every room, one after another), then prints each
 # room's killed / type error / survived / no-test / timeout counts. `make mutants ROOM=ledger ARGS=--again` runs
 # only the room's mutants that the last run did not kill (after new tests); `ARGS="--sample 20"` shows a seeded
-# draw of its survivors, each with its change, to judge by hand (docs/mutation-audit.md).
+# draw of its survivors, each with its change, to judge by hand (docs/mutation-audit.md); `ARGS=--unjudged` prints
+# those docs/survivors/ROOM.txt does not judge yet, each as a block to judge there.
 ROOM ?= all
 ARGS ?=
 mutants: venv
