@@ -1,4 +1,5 @@
-"""The judged survivors: what a person found each surviving mutant to be, kept in docs/survivors/<room>.txt.
+"""The judged survivors: what a person found each surviving mutant to be, kept in docs/survivors/<room>.txt (and,
+for a large room, in docs/survivors/<room>.<part>.txt beside it).
 
 A survivor is a change of the code that no fast test noticed. Each is judged once, by hand, into one of:
 - equivalent: no input the product can see changes what it does (say why);

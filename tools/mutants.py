@@ -110,13 +110,17 @@ def sample(room: str, n: int, seed: int) -> str:
 
 
 def judged_survivors(room: str) -> list[tuple[Survivor, str]]:
-    """The room's survivors (survived, no tests, suspicious), each with its verdict in docs/survivors/ROOM.txt."""
+    """The room's survivors (survived, no tests, suspicious), each with its verdict in docs/survivors/ROOM.txt or
+    ROOM.<part>.txt."""
     names: dict[str, list[str]] = {}
     for name, verdict in verdicts(room).items():
         if verdict in SURVIVED:
             names.setdefault(module_of(name).replace(".", "/") + ".py", []).append(name)
     found = survivors(REPO / "mutants", names)
-    said = judge(found, parse(REPO / "docs" / "survivors" / f"{room}.txt"))
+    folder, verdicts_found = REPO / "docs" / "survivors", {}
+    for path in [folder / f"{room}.txt", *sorted(folder.glob(f"{room}.*.txt"))]:  # a large room's parts
+        verdicts_found |= parse(path)
+    said = judge(found, verdicts_found)
     return [(s, said[s.name]) for s in found]
 
 
