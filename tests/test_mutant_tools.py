@@ -79,6 +79,7 @@ equivalent: x is never 0 here
 == pkg.m.x_f__mutmut_8 @ 9
 -    return x + 1
 +    return x - 1
+
 open: no test reads f's result
 """
 
@@ -108,7 +109,7 @@ def test_a_block_without_a_known_verdict_and_a_reason_names_its_line(tmp_path):
 
     for good, bad, where in (
         ("equivalent: x is never 0 here", "maybe: who knows", "5: the block of line 2"),
-        ("open: no test reads f's result", "open:", "10: the block of line 7"),
+        ("open: no test reads f's result", "open:", "11: the block of line 7"),
     ):
         (tmp_path / "room.txt").write_text(REGISTER.replace(good, bad))
         with pytest.raises(ValueError, match=f"room.txt:{where} needs '<equivalent|text|launched|open|killed>: <why>'"):

@@ -63,8 +63,10 @@ def parse(path: Path) -> dict[Key, Verdict]:
             continue
         start, i = i + 1, i + 1
         edit = []
-        while i < len(lines) and lines[i][:1] in "-+":
+        while i < len(lines) and lines[i][:1] in ("-", "+"):
             edit.append(lines[i])
+            i += 1
+        while i < len(lines) and not lines[i].strip():  # a blank line before the verdict is allowed
             i += 1
         word, _, why = (lines[i] if i < len(lines) else "").partition(":")
         if word not in VERDICTS or not why.strip():

@@ -125,29 +125,29 @@ def judged_survivors(room: str) -> list[tuple[Survivor, str]]:
 
 
 def counts(room: str) -> Counter:
-    """mutmut's verdicts of the room's mutants, and the judged survivors' verdicts (docs/survivors/)."""
-    return Counter(verdicts(room).values()) + Counter(v for _, v in judged_survivors(room))
+    return Counter(verdicts(room).values())
 
 
-def score(c: Counter, equivalent: bool = False) -> float:
+def score(c: Counter, judged_by_hand: Counter | None = None) -> float:
     """Killed (a timeout is a change the tests noticed, a type error one that `make test`'s type check refuses)
     over every mutant judged, no-test ones included: a mutant that no test runs is a change no test would notice.
-    `equivalent`: over those not judged equivalent (or text only) by hand."""
-    judged = sum(c[k] for k in ("killed", "type error", "timeout", *SURVIVED))
-    judged -= (c["equivalent"] + c["text"]) if equivalent else 0
-    return (c["killed"] + c["type error"] + c["timeout"]) / judged if judged else 0.0
+    With the survivors' verdicts: over the mutants not judged equivalent or text, a survivor a new test was seen to
+    kill (applied by hand) counted killed before the next run counts it."""
+    v = judged_by_hand or Counter()
+    judged = sum(c[k] for k in ("killed", "type error", "timeout", *SURVIVED)) - v["equivalent"] - v["text"]
+    return (c["killed"] + c["type error"] + c["timeout"] + v["killed"]) / judged if judged else 0.0
 
 
 def table(walls: dict[str, float]) -> str:
     head = f"{'room':8} {'mutants':>7} " + " ".join(f"{k:>11}" for k in COLUMNS) + f" {'score':>6} {'wall':>8}"
     lines, judged = [head], [f"{'room':8} {'survivors':>9} " + " ".join(f"{k:>10}" for k in JUDGED) + "  score*"]
     for room in ROOMS:
-        c = counts(room)
+        c, v = counts(room), Counter(verdict for _, verdict in judged_survivors(room))
         wall = f"{walls[room] / 60:.1f} min" if room in walls else "-"
         cells = " ".join(f"{c[k]:>11}" for k in COLUMNS)
-        lines.append(f"{room:8} {sum(c[k] for k in COLUMNS):>7} {cells} {score(c):>6.1%} {wall:>8}")
-        cells = " ".join(f"{c[k]:>10}" for k in JUDGED)
-        judged.append(f"{room:8} {sum(c[k] for k in SURVIVED):>9} {cells} {score(c, equivalent=True):>7.1%}")
+        lines.append(f"{room:8} {c.total():>7} {cells} {score(c):>6.1%} {wall:>8}")
+        cells = " ".join(f"{v[k]:>10}" for k in JUDGED)
+        judged.append(f"{room:8} {v.total():>9} {cells} {score(c, v):>7.1%}")
     lines += ["", "survivors judged by hand (docs/survivors/ROOM.txt; score*: of the mutants not equivalent)", *judged]
     return "\n".join(lines)
 
