@@ -161,3 +161,133 @@ def test_ranks_that_computed_different_images_fail_the_batch(monkeypatch):
     other[0, 0, 0] ^= 1
     assert not run(other)
     assert run(pixels.copy())  # the same images, computed again: the same hash
+
+
+def test_a_stale_refusal_names_the_changed_samples_from_the_shards_data(tmp_path):
+    """docs/guide.md: a run over done shards whose prompts changed exits 2 naming the changed samples, read back
+    from the stale shard's Parquet data (its ids and prompts); the done shard beside it is not named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.store import Store
+    from launcher.plan.plan import make_plan
+
+    src, out = tmp_path / "p.txt", tmp_path / "out"
+    src.write_text("a red cat\na blue dog\na green tree\na grey sky\n")
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=2"])
+    done = {
+        s.index: {"status": "done", "rows": 2, "prompts_fingerprint": s.fingerprint} for s in make_plan(cfg, {}).shards
+    }
+    (out / "data").mkdir(parents=True)
+    for i, prompts in enumerate((["a red cat", "a blue dog"], ["a green tree", "a grey sky"])):
+        rows = pa.table({"id": [str(2 * i), str(2 * i + 1)], "prompt": prompts})
+        pq.write_table(rows, out / "data" / f"shard-{i:05d}.parquet")
+    src.write_text("a red cat\na blue wolf\na green tree\na grey sky\n")  # row 1 (shard 0) edited
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, done, store=Store(out))
+    assert str(e.value) == (
+        "shards [0] are done but their prompts changed since (samples 1); rerun with run.stale=regenerate to redo "
+        "them, or run.stale=keep to keep the old images"
+    )
+
+
+def test_a_stale_refusal_names_five_changed_references_without_and_more():
+    """The refusal names up to five changed references, and says " and more" only where there are more."""
+    from launcher.plan.stale import stale_message
+
+    cfg = OmegaConf.create({"dataset": {"id_column": None}})
+    five = [f"r{k}.png" for k in range(5)]
+    said = stale_message(cfg, {0: ([], False, five)})
+    assert "their reference images changed (r0.png, r1.png, r2.png, r3.png, r4.png) since" in said, said
+    said = stale_message(cfg, {0: ([], False, [*five, "r5.png"])})
+    assert "their reference images changed (r0.png, r1.png, r2.png, r3.png, r4.png and more) since" in said, said
+
+
+def test_an_id_shard_kept_stale_is_done_and_one_with_another_legacy_fingerprint_is_stale():
+    """launcher/plan/plan_ids.py: a done shard of ids whose rows changed is stale, unless run.stale=keep recorded
+    it for exactly these rows (then done); a legacy fingerprint counts only when it is the state's."""
+    from launcher.plan.plan_ids import id_status
+    from launcher.plan.stale import KEPT
+
+    state = {"status": "done", "prompts_fingerprint": "old"}
+    assert id_status(state, "new", None) == "stale"
+    assert id_status(state, "new", "legacy") == "stale"
+    assert id_status(state, "new", "old") == "done"
+    assert id_status({**state, KEPT: "new"}, "new", None) == "done"
+
+
+def test_a_kept_struct_columns_fingerprint_is_its_type_and_values_as_json_with_sorted_keys():
+    """launcher/plan/shards.py: a kept column of another type than string or number is hashed as its type and its
+    values in JSON with sorted keys; state files of earlier runs carry that fingerprint, so another encoding would
+    make every done shard of such a source stale."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from launcher.plan.shards import prompts_fingerprint
+
+    meta = pa.array([{"b": 1, "a": "x"}], pa.struct([("b", pa.int64()), ("a", pa.string())]))
+    h = hashlib.sha256(b"meta\0" + b"struct<b: int64, a: string>" + b'[{"a": "x", "b": 1}]')
+    assert prompts_fingerprint(pa.table({"meta": meta})) == "v2-" + h.hexdigest()[:16]
+
+
+def test_planning_checks_each_rows_size_against_the_models_size_rule(tmp_path):
+    """A row's height that is not a multiple of the model's size factor is refused at planning (exit 2 naming the
+    file and line), by the size rule the launcher hands make_plan."""
+    from launcher.plan.plan import make_plan
+    from launcher.sources.prompts import SizeRule
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "a red cat", "height": 100}) + "\n")
+    cfg = load_config("tiny", [f"dataset.path={src}"])
+    assert make_plan(cfg, {}).status == {0: "pending"}  # no rule: any size
+    with pytest.raises(ConfigError, match=r"p\.jsonl, line 1.*height 100 is not a multiple of 16"):
+        make_plan(cfg, {}, SizeRule(16, 2**20, 64, 64))
+
+
+def test_run_shards_failed_holds_back_no_shard_that_failed_max_attempts_times(tmp_path):
+    """run.max_attempts: run.shards=pending leaves a shard that failed that often (the summary says so);
+    run.shards=failed retries it, and then the summary names no shard as not retried."""
+    from launcher.plan.plan import make_plan
+
+    src = tmp_path / "p.txt"
+    src.write_text("a red cat\na blue dog\n")
+    states = {0: {"status": "failed", "attempts": 3}}
+    pending = make_plan(load_config("tiny", [f"dataset.path={src}", "run.shard_size=1"]), states)
+    assert (pending.selected, pending.held) == ([1], [0])
+    failed = make_plan(load_config("tiny", [f"dataset.path={src}", "run.shard_size=1", "run.shards=failed"]), states)
+    assert (failed.selected, failed.held) == ([0], [])
+
+
+def test_an_edit_job_with_a_sweep_makes_one_call_per_variant_of_each_row(tmp_path):
+    """generate.sweep applies to job=edit as to text to image: each row's call is followed by one per variant, the
+    variant's settings over the row's (jobs/edit.py hands make_batches its settings as a plain namespace)."""
+    import hashlib
+
+    from test_mutant_kills import job_cfg, png
+
+    from jobs import edit
+
+    ref = tmp_path / "r.png"
+    ref.write_bytes(png("red", (8, 8)))
+    sha = hashlib.sha256(ref.read_bytes()).hexdigest()
+    row = {"id": "a", "prompt": "p", "ref_sha256": sha, "ref_loc": json.dumps([{"path": "r.png", "src": str(ref)}])}
+    batches = edit.shard_batches([row], job_cfg(sweep={"guidance_scale": [1.0, 7.0]}))
+    assert [(b.variant, b.settings["guidance_scale"]) for b in batches] == [(0, 1.0), (1, 7.0)]
+    assert [b.image_ids() for b in batches] == [["a@0"], ["a@1"]]
+
+
+def test_plan_refusals_of_a_zero_limit_and_a_swept_column_and_ids_only_for_text_to_image(tmp_path):
+    """dataset.limit=0 selects nothing (exit 2, not an empty run); a sweep key that is also a column of the source is
+    refused; shards hold ids (dataset.id_column) for a text-to-image job only, an edit job's keep row positions."""
+    from launcher.plan.plan import by_id, make_plan
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "a red cat", "guidance_scale": 3.0}) + "\n")
+    with pytest.raises(ConfigError, match=r"dataset\.limit=0 selects no prompts"):
+        make_plan(load_config("tiny", [f"dataset.path={src}", "dataset.limit=0"]), {})
+    swept = load_config("tiny", [f"dataset.path={src}", "+generate.sweep={guidance_scale:[1.0,2.0]}"])
+    with pytest.raises(ConfigError, match=r"has a column 'guidance_scale', which generate\.sweep\.guidance_scale"):
+        make_plan(swept, {})
+    assert by_id(load_config("tiny", ["dataset.id_column=key"]))
+    assert not by_id(load_config("tiny", ["job=edit", "dataset.id_column=key"]))

@@ -120,3 +120,42 @@ def test_selection_names_missing_shards():
 )
 def test_workers_from_the_schedulers_env(env, expected):
     assert resolve_workers(load_config("tiny"), env) == expected
+
+
+@pytest.mark.parametrize(
+    ("size", "w", "h", "cover", "box"),
+    [((20, 10), 13, 8, (16, 8), (1, 0, 14, 8)), ((10, 20), 8, 13, (8, 16), (0, 1, 8, 14))],
+)
+def test_a_crop_with_an_odd_overhang_is_the_bucket_size_cut_one_pixel_left_or_above_the_middle(size, w, h, cover, box):
+    """generate.reference_fit=crop: resized to cover w x h (20x10 by 0.8 to 16x8 for 13x8: 3 columns over), then
+    the middle cut out. An odd overhang leaves a pixel more on one side: its first (or top) column goes with the
+    floor of half, as the pad's centering does, and the reference is exactly the bucket's size (a half-pixel box
+    is rounded by PIL to 12 columns: a call of the bucket would get another shape)."""
+    import numpy as np
+    from PIL import Image
+
+    from jobs.edit import fit_image
+
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    want = im.resize(cover, Image.Resampling.LANCZOS).crop(box)
+    got = fit_image(im, w, h, "crop")
+    assert got.size == (w, h) and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_reference_is_read_through_its_icc_profile_only_in_the_modes_the_guide_names(caplog):
+    """docs/guide.md: RGB, RGBA and CMYK go through their embedded ICC profile; without a profile, PIL's conversion
+    and no warning (the warning is for a profile that cannot be used). A palette image is not read through its
+    profile: lcms would take its palette indices for grey levels (a grey profile's transform accepts them)."""
+    from PIL import Image
+    from test_mutant_kills import icc
+
+    from jobs.edit import to_rgb
+
+    plain = Image.new("RGB", (2, 2), (10, 20, 30))
+    with caplog.at_level("WARNING"):
+        assert to_rgb(plain).getpixel((1, 1)) == (10, 20, 30)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    palette = Image.new("P", (2, 2), 0)
+    palette.putpalette([200, 0, 0] + [0, 0, 0] * 255)  # index 0 is red
+    palette.info["icc_profile"] = icc(b"mntr", b"GRAY", b"XYZ ", {b"kTRC": b"curv" + bytes(8)})  # linear grey
+    assert to_rgb(palette).getpixel((1, 1)) == (200, 0, 0)
