@@ -291,3 +291,23 @@ def test_plan_refusals_of_a_zero_limit_and_a_swept_column_and_ids_only_for_text_
         make_plan(swept, {})
     assert by_id(load_config("tiny", ["dataset.id_column=key"]))
     assert not by_id(load_config("tiny", ["job=edit", "dataset.id_column=key"]))
+
+
+@pytest.mark.parametrize(("limit", "shards"), [(4, [0, 1]), (3, [0, 1])])
+def test_planning_reads_no_batch_past_dataset_limit(monkeypatch, limit, shards):
+    """dataset.limit=N plans the first N rows and reads no further: at 100M prompts a limit of a few thousand must
+    not read the whole source (nor fail on a bad row past the limit). Batches of 2 rows, shards of 2: rows 0-3 fill
+    shards 0 and 1; the third batch is never pulled (limit 4 ends on a shard's end, limit 3 inside shard 1)."""
+    import pyarrow as pa
+
+    from launcher.plan import plan as plan_mod
+
+    def batches(_src):
+        for first in (0, 2):
+            yield pa.record_batch({"prompt": [f"p{first}", f"p{first + 1}"]})
+        raise AssertionError("a batch past dataset.limit was read")
+
+    monkeypatch.setattr(plan_mod, "read_batches", batches)
+    got = list(plan_mod.shard_tables(None, 2, limit))
+    assert [i for i, _, _ in got] == shards
+    assert [t.num_rows for _, t, _ in got] == [2, limit - 2]
