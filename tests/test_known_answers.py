@@ -311,3 +311,17 @@ def test_planning_reads_no_batch_past_dataset_limit(monkeypatch, limit, shards):
     got = list(plan_mod.shard_tables(None, 2, limit))
     assert [i for i, _, _ in got] == shards
     assert [t.num_rows for _, t, _ in got] == [2, limit - 2]
+
+
+def test_run_shards_all_regenerates_stale_shards_of_ids_instead_of_refusing(tmp_path, monkeypatch):
+    """DESIGN, `run.shards`: `all` runs every shard; a done shard whose prompts changed is then generated again, not
+    refused as stale (the refusal is for a selection that would leave it as it was). A source with ids."""
+    from test_nightly import ROWS, _Nights, write
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS[:1])
+    nights = _Nights(tmp_path, monkeypatch, src, "run.shards=all")
+    nights.plan()
+    write(src, [{**ROWS[0], "prompt": "another"}])
+    plan, _ = nights.plan()
+    assert (plan.selected, plan.stale) == ([0], [0])
