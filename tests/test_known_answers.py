@@ -325,3 +325,22 @@ def test_run_shards_all_regenerates_stale_shards_of_ids_instead_of_refusing(tmp_
     write(src, [{**ROWS[0], "prompt": "another"}])
     plan, _ = nights.plan()
     assert (plan.selected, plan.stale) == ([0], [0])
+
+
+def test_a_night_with_images_per_prompt_reads_an_unchanged_files_ids_from_its_map(tmp_path, monkeypatch, caplog):
+    """With images per prompt, each night checks every id for a clash with a sample id, an unchanged file's from
+    its map (DESIGN: a rerun costs what changed): the map is read, not found damaged, and the unchanged file is not
+    read again (pass 1 reads only the new file's 4 rows)."""
+    from test_nightly import MORE, ROWS, _Nights, write
+
+    d = tmp_path / "src"
+    d.mkdir()
+    write(d / "a.jsonl", ROWS)
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "generate.images_per_prompt=2")
+    nights.plan()
+    write(d / "b.jsonl", MORE)
+    with caplog.at_level("WARNING"):
+        plan, reads = nights.plan()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    assert [rows for _, rows in reads] == [4]
+    assert sum(s.rows for s in plan.shards) == 14
