@@ -344,3 +344,16 @@ def test_a_night_with_images_per_prompt_reads_an_unchanged_files_ids_from_its_ma
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
     assert [rows for _, rows in reads] == [4]
     assert sum(s.rows for s in plan.shards) == 14
+
+
+def test_keep_columns_null_or_empty_keeps_no_column(tmp_path):
+    """`dataset.keep_columns=null` (an override that clears a recipe's list) is no kept column, as `[]` is: the plan
+    is the plain one, not a traceback."""
+    from launcher.plan.plan import make_plan, source
+
+    src = tmp_path / "p.txt"
+    src.write_text("a red cat\na blue dog\n")
+    for v in ("null", "[]"):
+        cfg = load_config("tiny", [f"dataset.path={src}", f"dataset.keep_columns={v}"])
+        assert source(cfg).keep_columns == ()
+        assert [s.rows for s in make_plan(cfg, {}).shards] == [2]
