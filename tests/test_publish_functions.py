@@ -552,3 +552,369 @@ def test_a_folder_target_gets_a_shards_images_before_its_parquet(run, tmp_path):
     target.store.open_output = lambda name: order.append(name) or real(name)
     publish(str(run), str(tmp_path / "copy"), card=False, target=target)
     assert order.index("images/shard-00000/a.png") < order.index("data/shard-00000.parquet"), order
+
+
+def card_folder(out: Path, shards: int = 4) -> dict[int, bytes]:
+    """A run folder as DESIGN.md lays it out, by hand, for the card: run.json (a local model with no license note,
+    the versions) and done shards 0-2, whose Parquet files declare `id` and an Image column in their Hugging Face
+    metadata and keep a source column the metadata does not describe; shard 1 is an empty shard (every row set
+    aside), shard 2's state recorded another size than its file has (damaged: not vouched for)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    config = {"name": "job", "device": "cpu", "model": {"path": "/models/mine", "dtype": "bfloat16"}}
+    config |= {"dataset": {"path": "/d/p.txt"}, "mesh": {"dp": 1, "tp": 1}, "generate": {"batch_size": 2}}
+    meta = {"shards": shards, "shard_size": 2, "config": config, "settings": {"model": {}, "generate": {}}}
+    meta["versions"] = {"torch": "2.9.1", "diffusers": "0.36.0"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps(meta))
+    features = {"id": {"dtype": "string", "_type": "Value"}, "reference_image": {"_type": "Image"}}
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema([("id", pa.string()), ("reference_image", image), (KEPT_COLUMN, pa.string())])
+    schema = schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    written = {}
+    for i, ids in ((0, ["a", "b"]), (1, []), (2, ["c", "d"])):
+        buf = io.BytesIO()
+        rows = {"id": ids, "reference_image": [None] * len(ids), KEPT_COLUMN: ["x"] * len(ids)}
+        pq.write_table(pa.table(rows, schema=schema), buf)
+        written[i] = buf.getvalue()
+        name = f"data/shard-{i:05d}.parquet"
+        record = {name: [len(written[i]) + (1 if i == 2 else 0), "h"]}
+        shard(out, i, {name: written[i]}, record=record)
+        state = json.loads((out / "state" / f"shard-{i:05d}.json").read_text())
+        state |= {"rows": len(ids), "data_bytes": 100 + i}
+        (out / "state" / f"shard-{i:05d}.json").write_text(json.dumps(state))
+    return written
+
+
+# A kept source column: not ASCII, long and with spaces (the Hub reads its name from the card's features).
+KEPT_COLUMN = " ".join(["légende"] + ["très longue"] * 12)
+
+
+def test_the_card_vouches_for_sound_done_shards_and_says_what_the_run_left_undone(tmp_path):
+    """DESIGN/card.py: the front matter names the done shards' Parquet files whose size is the recorded one (a
+    glob once every file in data/ is a done shard's Parquet file), their rows (an empty shard adds none), the
+    `dataset_size` and the config `default`; the features are the file's Hugging Face metadata, then the columns it
+    does not describe from their Arrow types, each name written as is on one line. No license note: no license
+    key, and the body says it is not stated. A local model is "a local pipeline" in the title; the body says the
+    run is not complete, how many shards are in each state, and the library versions."""
+    import yaml
+
+    from launcher.ledger.store import Store
+    from launcher.publish import card
+
+    run = tmp_path / "run"
+    written = card_folder(run)
+    text = card.card_text(Store(run))
+    raw = text.split("---\n")[1]
+    front = yaml.safe_load(raw)
+    assert "license" not in front
+    assert front["configs"] == [
+        {
+            "config_name": "default",
+            "data_files": [{"split": "train", "path": ["data/shard-00000.parquet", "data/shard-00001.parquet"]}],
+        }
+    ]
+    assert front["dataset_info"]["splits"] == [{"name": "train", "num_bytes": 201, "num_examples": 2}]
+    assert front["dataset_info"]["dataset_size"] == 201
+    assert front["dataset_info"]["download_size"] == len(written[0]) + len(written[1])
+    assert front["dataset_info"]["features"] == [
+        {"name": "id", "dtype": "string"},
+        {"name": "reference_image", "dtype": "image"},
+        {"name": KEPT_COLUMN, "dtype": "string"},
+    ]
+    assert f"\n  - name: {KEPT_COLUMN}\n" in raw  # not escaped, not folded over lines
+    body = text.split("---\n", 2)[2]
+    assert body.startswith("\n# job: images generated with a local pipeline\n")
+    assert "\n- license: not stated; see the model's page\n" in body
+    assert (
+        "\n## Contents\n\nThis run is not complete: the card names only the done shards' data. 4 shards of 2 "
+        "prompts: 3 done, 0 failed, 1 pending; 4 images.\n"
+    ) in body
+    assert body.endswith("\nVersions: torch 2.9.1, diffusers 0.36.0\n")
+
+    state = json.loads((run / "state" / "shard-00002.json").read_text())
+    state["files"]["data/shard-00002.parquet"][0] -= 1  # its recorded size now: sound
+    (run / "state" / "shard-00002.json").write_text(json.dumps(state))
+    shard(run, 3, {"data/shard-00003.parquet": written[0]})
+    (run / "data" / "notes.txt").write_text("not a shard's file, not a Parquet file: the glob does not take it")
+    text = card.card_text(Store(run))
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/*.parquet"}]
+    assert "\n## Contents\n\n4 shards of 2 prompts: 4 done, 0 failed, 0 pending; 5 images.\n" in text
+
+
+def test_a_folders_summary_takes_times_from_states_and_a_damaged_states_file_time(tmp_path):
+    """card.py summarize: seconds summed over the shards that ran (a state without `seconds` adds none) and
+    rounded to the millisecond; the span from the first shard's start to the last finish; `time_source` says
+    `finished_at` while every time is a state's own. A shard whose state file is damaged is pending, and its
+    file's time is when it finished (the state file is written last), even past shard 9999; files in state/ that
+    are not a shard's state are not shards."""
+    import os
+
+    from launcher.ledger.store import Store
+    from launcher.publish.card import summarize
+
+    run = tmp_path / "run"
+    (run / "state").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"shards": 10002, "config": {}, "settings": {}}))
+    states = {
+        0: {"status": "done", "rows": 1, "seconds": 0.0625, "finished_at": 1000.0625},
+        1: {"status": "done", "rows": 0, "finished_at": 990.0},  # an empty shard, of a run that kept no seconds
+    }
+    for i, st in states.items():
+        (run / "state" / f"shard-{i:05d}.json").write_text(json.dumps(st))
+    s = summarize(Store(run))
+    assert (s["images"], s["seconds"], s["span_seconds"], s["time_source"]) == (1, 0.062, 10.062, "finished_at")
+    assert s["counts"] == {"done": 2, "failed": 0, "pending": 10000}
+    (run / "state" / "shard-10001.json").write_text("{damaged")
+    os.utime(run / "state" / "shard-10001.json", (980.0, 980.0))
+    for name in ("shard-abc.json", "shard-x0001.json", "shard-0001x.json", "shard-1.json"):
+        (run / "state" / name).write_text("{}")
+    s = summarize(Store(run))
+    assert s["shards"][10001]["status"] == "pending" and s["shards"][10001]["finished_at"] == 980.0
+    assert (s["span_seconds"], s["time_source"]) == (20.062, "state file mtime")
+    assert s["counts"] == {"done": 2, "failed": 0, "pending": 10000}
+
+
+def test_the_card_command_prints_where_it_wrote_and_leaves_an_unchanged_card_untouched(run, capsys):
+    """`python -m launcher.publish.card OUTPUT_DIR`: exit 0 and the card's path; a second run with nothing new
+    does not write the card again (a rerun leaves the folder untouched)."""
+    import os
+
+    from launcher.publish import card
+
+    as_written(run)
+    assert card.main([str(run)]) == 0
+    assert capsys.readouterr().out == f"{run / 'README.md'}\n"
+    os.utime(run / "README.md", ns=(10**9, 10**9))
+    assert card.main([str(run)]) == 0 and (run / "README.md").stat().st_mtime_ns == 10**9
+    with pytest.raises(SystemExit):
+        card.main(["--help"])
+    assert "\n\nWrite OUTPUT_DIR/README.md, the dataset card of a run folder.\n\n" in capsys.readouterr().out
+
+
+def test_the_cards_words_for_paths_licenses_kept_ids_runs_and_a_damaged_run_json(tmp_path):
+    from launcher.ledger.store import Store
+    from launcher.publish.card import hub_license, kept_text, run_meta
+    from launcher.publish.card_facts import public, runs_section
+
+    assert public("prompts/") == "prompts" and public("/data/BOX") == "BOX"  # a folder, a name ending in X
+    assert hub_license("X11 License") == {"license": "other", "license_name": "x11-license"}
+    five = {"shards": [{"kept_stale": True, "kept_ids": ["a", "b", "c", "d", "e"]}]}
+    assert kept_text(five).startswith(" 1 done shards are kept-stale (samples a, b, c, d, e): their prompts")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r.json").write_text(json.dumps({"exit_code": 2}))  # a record of an older meshgen
+    assert runs_section(Store(tmp_path)).splitlines()[-1] == "| ? | 2 | 0 | 0 | 0 | 0 | 0 | 0 |"
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"\(not JSON: Expecting property name enclosed in double quotes"):
+        run_meta(Store(tmp_path))
+
+
+def test_a_state_from_before_files_were_recorded_sends_its_parquet_and_a_shard_changed_since_the_listing_waits(
+    run, tmp_path, monkeypatch
+):
+    """push.py: a done state that records no files (an older run) vouches for its Parquet file, hashed when pushed
+    (none there: nothing, as for an older run without Parquet); a shard whose state is gone or no longer done when
+    read again after the listing is left to the next push, and the shards after it still go."""
+    from launcher.publish import push
+
+    old = b"old-parquet"
+    shard(run, 3, {"data/shard-00003.parquet": old})
+    (run / "state" / "shard-00003.json").write_text(json.dumps({"status": "done", "rows": 1}))
+    (run / "state" / "shard-00004.json").write_text(json.dumps({"status": "done", "rows": 1}))  # no Parquet
+    [three, four] = [s for s in push.dataset_shards(push.Store(str(run))) if s.index in (3, 4)]
+    assert three.files == {"data/shard-00003.parquet": (len(old), hashlib.sha256(old).hexdigest())}
+    assert four.files == {}
+    real = push.read_state
+    gone = {0: None, 1: {"status": "failed"}}
+    monkeypatch.setattr(push, "read_state", lambda store, i: gone[i] if i in gone else real(store, i))
+    assert [s.index for s in push.dataset_shards(push.Store(str(run)))] == [3, 4]
+
+
+def test_a_batch_closes_where_the_next_shard_would_pass_the_byte_bound(monkeypatch):
+    from launcher.publish import push
+    from launcher.publish.targets import StoreTarget
+
+    class Target:
+        same = staticmethod(StoreTarget.same)
+
+        def listing(self):
+            return {}
+
+    monkeypatch.setattr(push, "COMMIT_BYTES", 100)
+    shards = [push.ShardFiles(i, {f"data/shard-{i:05d}.parquet": (60, str(i))}) for i in range(2)]
+    assert [b.shards for b in push.plan_batches(shards, Target())] == [[0], [1]]
+
+
+def test_the_publish_command_names_a_failure_of_no_words_and_cuts_a_long_one(run, tmp_path, capsys, monkeypatch):
+    from launcher.publish import push
+    from launcher.publish.targets import StoreTarget
+
+    as_written(run)
+    for error, why in ((TimeoutError(), "TimeoutError"), (OSError("x" * 300 + "\nmore"), "x" * 200)):
+
+        def broken(self, run, batch, message, error=error):
+            raise error
+
+        monkeypatch.setattr(StoreTarget, "push", broken)
+        assert push.main([str(run), str(tmp_path / "site"), "--no-images"]) == 3
+        assert capsys.readouterr().err == (
+            f"error: the push to {tmp_path / 'site'} stopped ({why}); what reached it is whole: run the same command "
+            "to finish it\n"
+        )
+
+
+def test_the_publish_tool_says_a_damaged_shard_in_its_own_words(run, tmp_path):
+    """tools.publish prints the libraries' and the launcher's warnings as their words alone (its logging set up
+    with `%(message)s`), in a process of its own as a user runs it."""
+    from conftest import publish
+
+    _, p1 = as_written(run)
+    (run / "data" / "shard-00001.parquet").write_bytes(b"cut")
+    res = publish(run, str(tmp_path / "site"), "--no-images")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0] == (
+        f"{run}: shard 1 is damaged (data/shard-00001.parquet has 3 bytes, its state recorded {len(p1)} bytes); "
+        "run.shards=pending generates it again"
+    )
+
+
+def test_a_runs_failed_push_names_the_errors_first_line_cut_to_200_characters(run, tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from launcher.ledger.store import Store
+    from launcher.publish import run as publish_run
+
+    site = tmp_path / "site"
+    for error, why in ((OSError("disk gone\nsecond line"), "disk gone"), (OSError("y" * 300), "y" * 200)):
+        monkeypatch.setattr(publish_run, "publish", lambda *a, error=error, **kw: (_ for _ in ()).throw(error))
+        pub = publish_run.start_publisher(OmegaConf.create({"output": {"publish": str(site)}}), Store(str(run)))
+        assert pub.finish().startswith(f"the push to output.publish={site} failed ({why}); the generated shards")
+
+
+def test_a_hub_branch_is_compared_with_its_own_files_and_the_card_names_the_repo(run, hub_here):
+    """targets.py: a push to `@REVISION` lists that revision (main's files are not the branch's), and the card pushed
+    to the Hub loads the dataset by the repo's id."""
+    from conftest import REPO_ID, TARGET
+
+    from launcher.publish.push import publish
+
+    as_written(run)
+    repo = hub_here.repos[f"datasets/{REPO_ID}"]
+    assert publish(str(run), TARGET)["card"] is True
+    repo.revisions["v2"] = {}
+    assert f'ds = load_dataset("{REPO_ID}", split="train")'.encode() in repo.files["README.md"]
+    sent = publish(str(run), f"{TARGET}@v2")  # (the fake Hub applies a branch's commits to main)
+    assert sent["files"] == 3 and sent["card"] is True
+
+
+def test_a_hub_commit_is_tried_six_times_500_included_after_the_waits_its_answers_name(run, hub_here, monkeypatch):
+    """targets.py: COMMIT_TRIES commits at most, for 429 and 5xx (500 is one), after the RateLimit header's reset
+    (the fake Hub's: 1 s) or else 2**attempt s; the sixth refusal is the push's error."""
+    from conftest import REPO_ID, TARGET
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from launcher.publish import targets
+    from launcher.publish.push import publish
+
+    waits = []
+    monkeypatch.setattr(targets.time, "sleep", waits.append)
+    hub_here.fail_commits = 2
+    assert publish(str(run), TARGET, card=False)["files"] == 3 and waits == [1, 1]
+    waits.clear()
+    hub_here.fail_commits, hub_here.fail_status = 5, 500
+    shard(run, 1, {"data/shard-00001.parquet": b"P1-new"})
+    assert publish(str(run), TARGET, card=False)["files"] == 1 and waits == [1, 2, 4, 8, 16]
+    hub_here.fail_commits = 6
+    shard(run, 1, {"data/shard-00001.parquet": b"P1-newer"})
+    with pytest.raises(HfHubHTTPError, match="500"):
+        publish(str(run), TARGET, card=False)
+    assert hub_here.repos[f"datasets/{REPO_ID}"].files["data/shard-00001.parquet"] == b"P1-new"
+
+
+def test_a_hub_that_refuses_or_never_answers_is_one_line_naming_why_within_the_wait(
+    run, hub_here, silent_hub, monkeypatch
+):
+    """targets.py _probe: the Hub's refusal in its own words (the first 120 characters); a hub that cannot be
+    reached or never answers, one line within HF_HUB_ETAG_TIMEOUT naming the error and what to check."""
+    import threading
+
+    from conftest import TARGET
+    from huggingface_hub import constants
+
+    from launcher.publish.targets import HubTarget
+
+    def refusal(make, uri):
+        try:
+            make(uri)
+        except ConfigError as e:
+            return str(e)
+
+    monkeypatch.setenv("HF_TOKEN", "wrong")
+    with pytest.raises(ConfigError) as e:
+        HubTarget("hf://datasets/org/ds")
+    why = str(e.value).split(" refused the token (401: ", 1)[1].removesuffix("); log in again (hf auth login)")
+    assert why.startswith("Invalid user token.") and len(why) == 120
+    monkeypatch.setenv("HF_TOKEN", "wtok")
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    for endpoint, error in (("http://127.0.0.1:1", "ConnectError"), (silent_hub[0], "ReadTimeout")):
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        said = []
+        probe = threading.Thread(target=lambda said=said: said.append(refusal(HubTarget, TARGET)), daemon=True)
+        probe.start()
+        probe.join(10)  # a probe without its bound would wait for ever: the test fails instead
+        assert not probe.is_alive()
+        assert said[0] == (
+            f"publishing to org/ds on {endpoint}: the hub did not answer within 0.5 s ({error}); check the network "
+            "and HF_ENDPOINT (HF_HUB_ETAG_TIMEOUT sets the wait)"
+        )
+
+
+def test_a_hub_push_streams_a_local_runs_files_and_reads_a_bucket_runs(run, hub_here, s3, monkeypatch):
+    """targets.py push: a local run's files go to the Hub from their paths (a batch may be 4 GiB: never read into
+    memory); a run folder on an object store, by its bytes."""
+    import boto3
+    from conftest import REPO_ID, TARGET
+
+    from launcher.ledger.store import Store
+    from launcher.publish.push import publish
+
+    read, real = [], Store.read_bytes
+    monkeypatch.setattr(Store, "read_bytes", lambda self, rel: read.append(rel) or real(self, rel))
+    assert publish(str(run), TARGET, card=False)["files"] == 3
+    assert not [r for r in read if r.startswith(("data/", "images/"))], read
+    s3c = boto3.client("s3")
+    for f in (p for p in run.rglob("*") if p.is_file()):
+        s3c.put_object(Bucket="meshgen-test", Key=f"hubrun/{f.relative_to(run)}", Body=f.read_bytes())
+    repo = hub_here.repos[f"datasets/{REPO_ID}"]
+    repo.files = {}
+    assert publish("s3://meshgen-test/hubrun", TARGET, card=False)["files"] == 3
+    assert repo.files["data/shard-00001.parquet"] == b"P1-longer"
+
+
+def test_a_folder_target_is_refused_inside_the_run_whatever_its_name_ends_with_and_a_listing_error_is_one_line(
+    run, tmp_path, monkeypatch
+):
+    from launcher.ledger.store import Store
+    from launcher.publish import targets
+
+    for name in ("runX", "run "):
+        folder = tmp_path / name
+        folder.mkdir()
+        with pytest.raises(ConfigError, match="into itself"):
+            targets.StoreTarget(str(folder / "pub"), Store(str(folder)))
+    site = tmp_path / ("t" * 250)
+    site.mkdir()
+    (site / "data").write_bytes(b"a file where the target's data folder goes")
+    with pytest.raises(ConfigError) as e:
+        targets.StoreTarget(str(site), None)
+    why = str(e.value).removeprefix(f"cannot publish to {site}: ")
+    assert why.startswith("[Errno 20] Cannot list directory") and len(why) == 200
+    opened = []
+    monkeypatch.setattr(targets, "StoreTarget", lambda uri, run: opened.append(uri))
+    targets.open_target("gs://bucket/set")
+    targets.open_target("s3://bucket/set")
+    assert opened == ["gs://bucket/set", "s3://bucket/set"]
