@@ -5,6 +5,7 @@ object-store targets are run end to end in test_publish.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -918,3 +919,35 @@ def test_a_folder_target_is_refused_inside_the_run_whatever_its_name_ends_with_a
     targets.open_target("gs://bucket/set")
     targets.open_target("s3://bucket/set")
     assert opened == ["gs://bucket/set", "s3://bucket/set"]
+
+
+def test_a_folder_target_streams_a_large_file_in_pieces_of_at_most_1_mib(run, tmp_path):
+    """targets.py push to a folder: a shard's file is streamed (a batch may be 4 GiB), never held whole: a 3 MiB
+    image arrives in writes of at most 1 MiB, whole and equal."""
+    import os
+
+    from launcher.publish.push import publish
+    from launcher.publish.targets import StoreTarget
+
+    big = os.urandom(3 * 2**20 + 5)
+    shard(run, 3, {"data/shard-00003.parquet": b"P3", "images/shard-00003/big.png": big})
+    target = StoreTarget(str(tmp_path / "copy"), None)
+    writes, real = [], target.store.open_output
+
+    class Counted:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            writes.append(len(b))
+            return self.f.write(b)
+
+    @contextlib.contextmanager
+    def counted(name):
+        with real(name) as f:
+            yield Counted(f) if name.endswith("big.png") else f
+
+    target.store.open_output = counted
+    publish(str(run), str(tmp_path / "copy"), card=False, target=target)
+    assert (tmp_path / "copy" / "images/shard-00003/big.png").read_bytes() == big
+    assert sum(writes) == len(big) and max(writes) <= 2**20, writes
