@@ -357,3 +357,29 @@ def test_keep_columns_null_or_empty_keeps_no_column(tmp_path):
         cfg = load_config("tiny", [f"dataset.path={src}", f"dataset.keep_columns={v}"])
         assert source(cfg).keep_columns == ()
         assert [s.rows for s in make_plan(cfg, {}).shards] == [2]
+
+
+def test_the_stale_refusal_holds_the_rows_of_the_first_five_stale_shards_only(tmp_path, monkeypatch):
+    """The stale refusal names up to five changed samples, read from the first stale shards; planning keeps only
+    those shards' rows for it, whatever the number of stale shards (at 100M prompts, all of them would be the
+    whole source in memory). Seven done shards of one row, each changed since."""
+    from launcher.plan import stale as stale_mod
+    from launcher.plan.plan import make_plan
+
+    src = tmp_path / "p.txt"
+    src.write_text("".join(f"prompt {k}\n" for k in range(7)))
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=1"])
+    done = {
+        s.index: {"status": "done", "rows": 1, "prompts_fingerprint": s.fingerprint} for s in make_plan(cfg, {}).shards
+    }
+    src.write_text("".join(f"prompt {k} changed\n" for k in range(7)))
+    held = {}
+
+    def refuse(cfg, store, stale, tables):
+        held.update(stale=stale, tables=sorted(tables))
+        raise ConfigError("stale")
+
+    monkeypatch.setattr(stale_mod, "refuse", refuse)
+    with pytest.raises(ConfigError):
+        make_plan(cfg, done)
+    assert held == {"stale": list(range(7)), "tables": [0, 1, 2, 3, 4]}
