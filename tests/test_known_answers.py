@@ -383,3 +383,25 @@ def test_the_stale_refusal_holds_the_rows_of_the_first_five_stale_shards_only(tm
     with pytest.raises(ConfigError):
         make_plan(cfg, done)
     assert held == {"stale": list(range(7)), "tables": [0, 1, 2, 3, 4]}
+
+
+def test_rows_set_aside_and_found_again_are_named_five_at_most(tmp_path, monkeypatch):
+    """A plan that finds again the rows it set aside (a bug) stops with one line naming the first five rows, as the
+    other refusals name five; planning once more with them set aside is tried first, once."""
+    from launcher.plan import plan as plan_mod
+
+    late = tuple((p, f"id{p}") for p in (3, 5, 8, 13, 21, 34))
+    tries = []
+    monkeypatch.setattr(plan_mod, "_make_plan", lambda cfg, states, src, *_: tries.append(src.late) or _raise(late))
+    src = tmp_path / "p.txt"
+    src.write_text("a\n")
+    with pytest.raises(ConfigError) as e:
+        plan_mod.make_plan(load_config("tiny", [f"dataset.path={src}"]), {})
+    assert str(e.value) == "planning set aside source rows 3, 5, 8, 13, 21 and found them again: a bug of meshgen's"
+    assert tries == [(), late]
+
+
+def _raise(late):
+    from launcher.sources.rejected import Recheck
+
+    raise Recheck(late)
