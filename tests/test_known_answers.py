@@ -405,3 +405,39 @@ def _raise(late):
     from launcher.sources.rejected import Recheck
 
     raise Recheck(late)
+
+
+@pytest.mark.parametrize("from_reference", [False, True])
+def test_an_edit_plan_file_carries_each_rows_reference_settings_and_size(tmp_path, from_reference):
+    """job=edit from a prompt file (not an earlier run's folder): pass 2 writes each row's reference by its sha256
+    and place beside the row's own settings (a row's seed), and generate.size_from_reference=true gives each row
+    its first reference's size rounded down to the model's factor (docs/reference.md: 100x116 -> 96x112 at 16);
+    false keeps the config's size (no per-row size)."""
+    import hashlib
+    import io
+    import json
+
+    from PIL import Image
+
+    from launcher.ledger.store import Store
+    from launcher.plan.plan import PlanFile, make_plan, write_plan_file
+    from launcher.sources.prompts import SizeRule
+
+    refs = {}
+    for name, size in (("a.png", (80, 64)), ("b.png", (100, 116))):
+        buf = io.BytesIO()
+        Image.effect_noise(size, 60).convert("RGB").save(buf, format="PNG")
+        refs[name] = (tmp_path / name).write_bytes(buf.getvalue()) and buf.getvalue()
+    rows = [{"prompt": "a", "image": "a.png", "seed": 5}, {"prompt": "b", "image": "b.png"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rule = SizeRule(16, 4 * 1024 * 1024, 64, 64, 10)
+    job = [f"dataset.path={tmp_path}/p.jsonl", f"generate.size_from_reference={from_reference}", "run.shard_size=2"]
+    cfg = load_config("tiny_edit", job)
+    store = Store(str(tmp_path / "out"))
+    write_plan_file(store, "plans/p.arrow", cfg, make_plan(cfg, {}, rule), rule)
+    got = PlanFile(store, "plans/p.arrow").shard(0).rows
+    assert [r["ref_sha256"] for r in got] == [hashlib.sha256(refs[n]).hexdigest() for n in ("a.png", "b.png")]
+    assert [json.loads(r["ref_loc"])[0]["src"] for r in got] == [str(tmp_path / n) for n in ("a.png", "b.png")]
+    assert [r.get("seed") for r in got] == [5, None]
+    sizes = [(r.get("width"), r.get("height")) for r in got]
+    assert sizes == ([(80, 64), (96, 112)] if from_reference else [(None, None), (None, None)])
