@@ -441,3 +441,21 @@ def test_an_edit_plan_file_carries_each_rows_reference_settings_and_size(tmp_pat
     assert [r.get("seed") for r in got] == [5, None]
     sizes = [(r.get("width"), r.get("height")) for r in got]
     assert sizes == ([(80, 64), (96, 112)] if from_reference else [(None, None), (None, None)])
+
+
+def test_a_plan_file_under_dataset_limit_holds_the_cut_shards_rows_within_the_limit(tmp_path):
+    """dataset.limit=3 with shards of 2: shard 1 is cut to its first row in the plan, and pass 2 writes that row
+    only (the row past the limit is never generated)."""
+    from launcher.ledger.store import Store
+    from launcher.plan.plan import PlanFile, make_plan, write_plan_file
+
+    src = tmp_path / "p.txt"
+    src.write_text("zero\none\ntwo\nthree\nfour\n")
+    cfg = load_config("tiny", [f"dataset.path={src}", "run.shard_size=2", "dataset.limit=3"])
+    store = Store(str(tmp_path / "out"))
+    plan = make_plan(cfg, {})
+    write_plan_file(store, "plans/p.arrow", cfg, plan)
+    assert [[r["prompt"] for r in PlanFile(store, "plans/p.arrow").shard(i).rows] for i in (0, 1)] == [
+        ["zero", "one"],
+        ["two"],
+    ]
