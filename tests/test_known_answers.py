@@ -459,3 +459,52 @@ def test_a_plan_file_under_dataset_limit_holds_the_cut_shards_rows_within_the_li
         ["zero", "one"],
         ["two"],
     ]
+
+
+def test_a_plan_file_leaves_out_the_rows_set_aside_as_repeated_ids_or_of_a_bad_size(tmp_path, monkeypatch):
+    """dataset.bad_rows=skip with ids: a row repeating an earlier row's id is set aside once every id was read, a
+    row whose height is no multiple of the model's factor as it is read; pass 2 writes each shard's rows without
+    them (the plan file holds what pass 1 planned)."""
+    from test_nightly import ROWS, _Nights, write
+
+    from launcher.plan.plan import PlanFile, write_plan_file
+    from launcher.sources.prompts import SizeRule
+
+    src = tmp_path / "a.jsonl"
+    odd = {"uid": "p900", "prompt": "odd", "height": 50}
+    write(src, [*ROWS[:3], {"uid": "p001", "prompt": "again"}, odd, *ROWS[3:5]])
+    nights = _Nights(tmp_path, monkeypatch, src, "dataset.bad_rows=skip")
+    nights.sizes = SizeRule(16, 2**20, 64, 64)
+    plan, _ = nights.plan()
+    assert [(r["position"], r["id"]) for r in plan.rejected] == [(3, "p001"), (4, "p900")]
+    write_plan_file(nights.store, "plans/t.arrow", nights.cfg, plan, nights.sizes)
+    got = [[(r["id"], r["prompt"]) for r in PlanFile(nights.store, "plans/t.arrow").shard(i).rows] for i in (0, 1)]
+    assert got == [[(r["uid"], r["prompt"]) for r in ROWS[:4]], [(ROWS[4]["uid"], ROWS[4]["prompt"])]]
+
+
+def test_an_edit_plan_file_leaves_out_a_row_set_aside_as_a_repeated_id(tmp_path):
+    """job=edit with dataset.id_column and dataset.bad_rows=skip: the second row of an id is set aside once every
+    id was read; pass 2 writes the shard without it."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from launcher.ledger.store import Store
+    from launcher.plan.plan import PlanFile, make_plan, write_plan_file
+
+    buf = io.BytesIO()
+    Image.effect_noise((64, 64), 60).convert("RGB").save(buf, format="PNG")
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
+    rows = [{"uid": u, "prompt": p, "image": "a.png"} for u, p in (("x", "one"), ("y", "two"), ("x", "three"))]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = [f"dataset.path={tmp_path}/p.jsonl", "dataset.id_column=uid", "dataset.bad_rows=skip", "run.shard_size=4"]
+    cfg = load_config("tiny_edit", job)
+    plan = make_plan(cfg, {})
+    assert [(r["position"], r["id"]) for r in plan.rejected] == [(2, "x")]
+    store = Store(str(tmp_path / "out"))
+    write_plan_file(store, "plans/p.arrow", cfg, plan)
+    assert [(r["id"], r["prompt"]) for r in PlanFile(store, "plans/p.arrow").shard(0).rows] == [
+        ("x", "one"),
+        ("y", "two"),
+    ]
