@@ -508,3 +508,21 @@ def test_an_edit_plan_file_leaves_out_a_row_set_aside_as_a_repeated_id(tmp_path)
         ("x", "one"),
         ("y", "two"),
     ]
+
+
+def test_a_shard_of_ids_cut_by_dataset_limit_is_recorded_as_its_whole_fingerprint_and_the_rows_planned(
+    tmp_path, monkeypatch
+):
+    """With ids, a shard cut by dataset.limit is fingerprinted "<its whole fingerprint>-first<rows planned>": state
+    files of earlier nights carry that, so a night with the same limit finds the shard done. Limit 6 over shards
+    of 4: shard 1 plans 2 of its rows."""
+    from test_nightly import ROWS, _Nights, write
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    whole = _Nights(tmp_path, monkeypatch, src, out=str(tmp_path / "whole")).plan()[0]
+    cut = _Nights(tmp_path, monkeypatch, src, "dataset.limit=6", out=str(tmp_path / "cut")).plan()[0]
+    assert [(s.rows, s.fingerprint) for s in cut.shards] == [
+        (4, whole.shards[0].fingerprint),
+        (2, f"{whole.shards[1].fingerprint}-first2"),
+    ]
