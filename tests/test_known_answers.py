@@ -526,3 +526,25 @@ def test_a_shard_of_ids_cut_by_dataset_limit_is_recorded_as_its_whole_fingerprin
         (4, whole.shards[0].fingerprint),
         (2, f"{whole.shards[1].fingerprint}-first2"),
     ]
+
+
+def test_a_plan_afresh_after_a_damaged_id_map_still_finds_a_done_shard_with_missing_files(
+    tmp_path, monkeypatch, caplog
+):
+    """DESIGN, done means verified: a damaged id map is planned afresh from the source, and that plan still checks
+    the done shards' files against the folder's listing: one whose Parquet is missing is damaged and selected."""
+    import json
+
+    from test_nightly import ROWS, _Nights, write
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    nights.plan()
+    index = json.loads((tmp_path / "out" / "sources" / "index.json").read_text())
+    (tmp_path / "out" / index["files"][str(src)]["map"]).write_bytes(b"PAR1 cut short")  # found as it is read
+    nights.states[1]["files"] = {"data/shard-00001.parquet": [10, "0" * 64]}
+    plan, _ = nights.plan()
+    assert "is damaged" in caplog.text and "the source is planned afresh" in caplog.text
+    assert [(s.index, s.status) for s in plan.shards] == [(0, "done"), (1, "damaged"), (2, "done")]
+    assert plan.selected == [1]
