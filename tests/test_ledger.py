@@ -307,3 +307,531 @@ def test_credentials_are_masked_in_every_address_and_wherever_an_endpoints_user_
     with pytest.raises(ConfigError) as e:
         check_address("s3://KEY:SECRET@bucket/run")
     assert str(e.value).startswith("s3://***@bucket/run carries credentials in its address; remove them")
+
+
+class _Bucket(Store):
+    """A folder on disk taken the way an object store is (one PUT a write, a conditional create, no flock, no
+    temporary names): the object-store paths of the ledger without a server."""
+
+    def __init__(self, folder, *made: str):
+        super().__init__(folder)
+        self.is_local = False
+        for name in ("locks", *made):
+            (self.local_root / name).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def local_root(self):
+        from pathlib import Path
+
+        return Path(self.root)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        try:
+            with open(self.local_root / rel, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
+
+
+def test_an_endpoints_three_character_user_name_is_masked_and_the_environment_is_checked_first(monkeypatch):
+    """addresses.py: an endpoint's user information is masked from 3 characters on (`bob`, as `alice`); and the
+    environment's endpoints are checked before any key of the config, so the refusal names the endpoint whatever
+    the config holds."""
+    from omegaconf import OmegaConf
+
+    from launcher.errors import ConfigError
+    from launcher.ledger.addresses import check_config, masked
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://bob:pwd@minio.local:9000")
+    assert masked("cannot resolve bob; pwd unknown; bo stays") == "cannot resolve ***; *** unknown; bo stays"
+    cfg = OmegaConf.create({"name": "s3://KEY:SECRET@bucket/run", "model": {"path": "m"}})
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert str(e.value).startswith("AWS_ENDPOINT_URL=http://***@minio.local:9000 carries credentials in its address")
+
+
+def test_a_claim_past_generation_9999_is_read_by_its_whole_number(tmp_path):
+    """claims.py: a claim's generation is the number in its name, g<N>.json, five digits and more: a live run's
+    g10000 holds the shard (it is not g0000), and a dead run's g10000 is followed by g10001."""
+    from launcher.ledger.claims import Claims
+    from launcher.ledger.lock import RunLock
+
+    store = Store(tmp_path)
+    live = RunLock(store, 0, "live")
+    live.acquire()
+    try:
+        store.write_bytes("claims/shard-00000/g10000.json", b'{"worker": 0, "run_id": "live"}')
+        store.write_bytes("claims/shard-00001/g10000.json", b'{"worker": 5, "run_id": "dead"}')
+        other = Claims(store, 1, "other")
+        assert other.try_claim(0) is False and other.skipped == {0}
+        assert other.try_claim(1) is True and other.held == {1: 10001}
+        assert (tmp_path / "claims" / "shard-00001" / "g10001.json").exists()
+    finally:
+        live.release()
+
+
+def test_releasing_a_claim_on_a_full_output_is_quiet_and_any_other_error_is_raised(tmp_path):
+    """claims.py release: a claim that cannot be deleted because the output takes no more writes is left (the next
+    claimer creates the next generation); any other error is raised."""
+    import errno
+
+    from launcher.ledger.claims import Claims
+
+    class Full(Store):
+        def delete(self, rel):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Broken(Store):
+        def delete(self, rel):
+            raise OSError(errno.EIO, "I/O error")
+
+    full = Claims(Full(tmp_path), 0, "r")
+    assert full.try_claim(2)
+    full.release(2)
+    assert full.held == {} and (tmp_path / "claims" / "shard-00002" / "g00000.json").exists()
+    broken = Claims(Broken(tmp_path), 0, "r2")
+    assert broken.try_claim(3)
+    with pytest.raises(OSError, match="I/O error"):
+        broken.release(3)
+
+
+def test_asking_whether_a_process_lives_sends_it_nothing_and_one_of_another_user_lives(monkeypatch):
+    """liveness.py pid_alive: signal 0 only (a SIGHUP would end the process asked about: a live run on this host);
+    a process we may not signal (another user's) is alive."""
+    import errno
+    import os
+    import subprocess
+
+    from launcher.ledger.liveness import pid_alive
+
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert pid_alive(p.pid)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=0.5)  # still running
+    finally:
+        p.kill()
+        p.wait()
+    assert not pid_alive(p.pid)
+
+    def refused(pid, sig):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", refused)
+    assert pid_alive(p.pid)
+
+
+def test_a_lock_file_a_killed_run_left_is_dead_and_a_held_one_alive(tmp_path):
+    """lock.py on disk: whether a run lives is whether its flock is held, whatever its record says (a kill -9
+    leaves the record behind)."""
+    from launcher.ledger.lock import RunLock, look
+
+    store = Store(tmp_path)
+    (tmp_path / "locks").mkdir()
+    left = {"host": "h", "pid": 1, "run_id": "killed", "started": "2026-12-01T00:00:00+0000", "beat": 3}
+    (tmp_path / "locks" / "worker-00000.lock").write_text(json.dumps(left))
+    assert look(store, 0) == (left, False)
+    with RunLock(store, 0, "live"):
+        record, alive = look(store, 0)
+        assert record["run_id"] == "live" and alive
+
+
+def test_a_disk_lock_waits_out_a_probe_refuses_a_live_holder_at_once_and_is_an_ordinary_file(tmp_path):
+    """lock.py on disk: another launcher's liveness probe holds the flock for an instant, which a starting run
+    waits out; a live holder is refused within a second (5 tries 0.1 s apart); the lock file is rw-r--r-- as the
+    folder's other files (umask 022), executable by none."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from launcher.errors import LockHeld
+    from launcher.ledger.lock import RunLock
+
+    store = Store(tmp_path)
+    (tmp_path / "locks").mkdir()
+    probe = os.open(tmp_path / "locks" / "worker-00000.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    threading.Timer(0.15, os.close, (probe,)).start()
+    first = RunLock(store, 0, "first")
+    first.acquire()
+    try:
+        start = time.monotonic()
+        with pytest.raises(LockHeld, match="another run is active"):
+            RunLock(store, 0, "second").acquire()
+        assert time.monotonic() - start < 2.0
+        umask = os.umask(0o022)
+        try:
+            with RunLock(store, 1, "third"):
+                assert (tmp_path / "locks" / "worker-00001.lock").stat().st_mode & 0o777 == 0o644
+        finally:
+            os.umask(umask)
+    finally:
+        first.release()
+
+
+def test_an_object_store_lock_says_why_it_cannot_be_taken_and_who_won_a_takeover(tmp_path, monkeypatch):
+    """lock.py on an object store: a store that refuses writes is named with the first 200 characters of its
+    error's first line; of two launchers taking a dead run's lock over, the loser names the winner's host, pid and
+    start; a store that does not answer is a lock not held."""
+    import errno
+    import subprocess
+
+    from launcher.errors import LockHeld, OutputRefused
+    from launcher.ledger import lock as lock_mod
+    from launcher.ledger.liveness import PID_SPACE
+
+    class Refusing(_Bucket):
+        def create_exclusive(self, rel, data):
+            raise OSError(errno.EACCES, "AccessDenied " + "x" * 300 + "\nsecond line")
+
+    with pytest.raises(OutputRefused) as e:
+        lock_mod.RunLock(Refusing(tmp_path / "a"), 0, "r").acquire()
+    why = f"[Errno {errno.EACCES}] AccessDenied " + "x" * 300
+    assert str(e.value).startswith(f"{tmp_path / 'a'} refuses writes ({why[:200]}): its lock cannot be taken")
+
+    store = _Bucket(tmp_path / "b")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this machine that runs no more: its holder is dead at once
+    dead = {"host": "h", "pid": gone.pid, "pid_space": PID_SPACE, "run_id": "dead", "started": "s", "beat": 1}
+    store.write_bytes("locks/worker-00000.json", json.dumps(dead).encode())
+    winner = {"host": "winner-host", "pid": 4242, "run_id": "winner", "started": "2026-12-05T01:02:03+0000"}
+    monkeypatch.setattr(
+        lock_mod.time, "sleep", lambda s: store.write_bytes("locks/worker-00000.json", json.dumps(winner).encode())
+    )
+    with pytest.raises(LockHeld) as e:
+        lock_mod.RunLock(store, 0, "loser").acquire()
+    assert "host winner-host, pid 4242, started 2026-12-05T01:02:03+0000" in str(e.value)
+
+    class Silent(_Bucket):
+        def read_bytes(self, rel):
+            raise OSError(errno.ETIMEDOUT, "timed out")
+
+    assert lock_mod.RunLock(Silent(tmp_path / "c"), 0, "r").held() is False
+
+
+def test_releasing_an_object_store_lock_waits_for_a_beat_under_way_but_not_for_a_hung_one(tmp_path, monkeypatch):
+    """lock.py release: a heartbeat write under way would put the lock back after release removed it (the next run
+    would wait STALE_S for it), so release waits for it, up to two beats; a beat that hangs is not waited for
+    past that."""
+    import threading
+    import time
+
+    from launcher.ledger import lock as lock_mod
+
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.5)
+    entered, gate = threading.Event(), threading.Event()
+
+    class Slow(_Bucket):
+        def write_bytes(self, rel, data):
+            if rel.startswith("locks/worker-"):
+                entered.set()
+                gate.wait(10)
+            super().write_bytes(rel, data)
+
+    store = Slow(tmp_path)
+    lock = lock_mod.RunLock(store, 0, "r")
+    lock.acquire()
+    assert entered.wait(5)  # a beat is under way
+    threading.Timer(0.1, gate.set).start()
+    lock.release()
+    assert lock._beating is not None
+    lock._beating.join(5)
+    assert store.read_bytes("locks/worker-00000.json") is None  # the beat's write came before the removal
+
+    entered.clear(), gate.clear()
+    hung = lock_mod.RunLock(store, 1, "h")
+    hung.acquire()
+    try:
+        assert entered.wait(5)
+        start = time.monotonic()
+        ending = threading.Thread(target=hung.release, daemon=True)
+        ending.start()
+        ending.join(5)
+        assert not ending.is_alive() and time.monotonic() - start < 1.3  # two beats (1 s), not the hung write's 10
+    finally:
+        gate.set()
+
+
+def test_an_object_store_address_is_the_folder_written_options_and_all(monkeypatch):
+    """store.py and gcs.py: the folder a gs:// or s3:// address names is the one written and the one printed, to its
+    last character (`night-X`, a trailing space); an address with options (`?...`) goes to pyarrow's parser, which
+    reads them, and keeps its scheme when an option is itself a URL; opening one is remembered (launch.py forks
+    nothing from a process with an object store's client). No request is made: clients connect on first use."""
+    from launcher.ledger import store as store_mod
+    from launcher.ledger.gcs import gcs_emulator
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://GCS-X/")
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    assert gcs_emulator() == "http://GCS-X"
+    monkeypatch.setitem(store_mod._OPENED, "remote", False)
+    for address, root in (("gs://b/night-X", "b/night-X"), ("gs://b/night-X/", "b/night-X"), ("gs://b/run ", "b/run ")):
+        store = Store(address)
+        assert (store.root, store.url()) == (root, f"gs://{root}")
+    assert store_mod.opened_remote()
+    with_options = Store("gs://b/run?retry_limit_seconds=3")
+    assert with_options.root == "b/run" and with_options.scheme == "gs"
+    assert type(with_options.fs).__name__ == "GcsFileSystem"
+    endpoint = Store("s3://b/run?endpoint_override=http://127.0.0.1:9&scheme=http")
+    assert (endpoint.root, endpoint.scheme) == ("b/run", "s3")
+
+
+def test_an_object_store_write_keeps_a_gz_files_bytes_as_given(tmp_path):
+    """store.py: an object is written as the bytes given: the ledger's index (state/index.json.gz) is gzip already,
+    and pyarrow would compress a `.gz` name again by default (its readers would then find it damaged)."""
+    import gzip
+
+    store = _Bucket(tmp_path, "state")
+    data = gzip.compress(b'{"version": 1, "states": {}}')
+    store.write_bytes("state/index.json.gz", data)
+    assert (tmp_path / "state" / "index.json.gz").read_bytes() == data and store.read_bytes(
+        "state/index.json.gz"
+    ) == data
+
+
+def test_the_index_is_read_for_a_ledger_of_more_than_64_shards(tmp_path):
+    """states.py: the index may inflate to 1 MiB plus 16 KiB per listed state file: a folder of 70 shards (past
+    1 MiB / 16 KiB) is answered from its index, with no state file read."""
+    store = Store(tmp_path)
+    for i in range(70):
+        store.write_json(state_rel(i), {"status": "done", "rows": 2})
+    first = Ledger(store)
+    first.refresh()
+    first.save_index()
+    again = Ledger(store)
+    assert len(again.refresh()) == 70 and again.reads == 0
+
+
+def test_a_failed_state_that_counted_no_attempts_is_retried_and_a_damaged_ones_reason_is_cut():
+    """states.py: a failed state from before attempts were counted has made none as far as run.max_attempts is
+    concerned (run.shards=pending retries it even at max_attempts=1); what makes a file damaged (said by
+    tools/status.py and the report) quotes at most 80 characters of the JSON error, 60 of a file name and 40 of its
+    entry."""
+    from launcher.ledger.states import exhausted, parse_state
+
+    assert exhausted(
+        {3: {"status": "failed"}, 4: {"status": "failed", "attempts": 1}}, {3: "failed", 4: "failed"}, 1
+    ) == [4]
+    cut = ("\n" * 100_000 + "{x").encode()  # json's message names line 100001: longer than 80 characters
+    with pytest.raises(ValueError) as e:
+        json.loads(cut)
+    assert len(str(e.value)) > 80
+    assert parse_state(cut) == (None, f"not JSON ({str(e.value)[:80]})")
+    name = "data/" + "n" * 70
+    state = {"status": "done", "files": {name: [1, "s" * 50, 3]}}
+    assert parse_state(json.dumps(state).encode()) == (None, f"'files' holds 'data/{'n' * 55}': [1, '{'s' * 35}")
+
+
+def test_leftovers_that_cannot_be_judged_are_passed_over_and_the_rest_of_their_folder_cleaned(tmp_path):
+    """states.py clean_tmp: another host's leftover is judged by the store's clock; where that look fails for one
+    (its writer just committed it, or the probe write failed), the folder's other leftovers are still judged."""
+    import os
+
+    from launcher.ledger.states import clean_tmp
+
+    failed = []
+
+    class Flaky(Store):
+        def now(self):
+            if not failed:
+                failed.append(1)
+                raise OSError("the probe write failed")
+            return super().now()
+
+    store = Flaky(tmp_path)
+    (tmp_path / "data").mkdir()
+    for i in (1, 2):
+        p = tmp_path / "data" / f".shard-0000{i}.parquet.tmp-another-host-12"
+        p.write_bytes(b"x")
+        os.utime(p, (0, 0))  # long unchanged
+    clean_tmp(store)
+    assert failed and len(list((tmp_path / "data").iterdir())) == 1
+
+
+def test_a_write_makes_its_whole_folder_path_again_on_its_last_try(tmp_path, monkeypatch):
+    """store.py: a write whose folder another process removes, whole (claims/ goes once a run is finished), 4 times
+    in a row, makes the folder and the ones above it on its 5th and last try."""
+    import builtins
+    import shutil
+
+    from launcher.ledger import store as store_mod
+
+    store, refused = Store(tmp_path), []
+
+    def racing_open(path, mode):
+        if len(refused) < 4 and mode == "wb":
+            refused.append(path)
+            shutil.rmtree(tmp_path / "claims")  # the remover takes the folder and its parent
+            raise FileNotFoundError(path)
+        return builtins.open(path, mode)
+
+    monkeypatch.setattr(store_mod, "open", racing_open, raising=False)
+    store.write_bytes("claims/shard-00003/g00001.json", b"{}")
+    assert (tmp_path / "claims" / "shard-00003" / "g00001.json").read_bytes() == b"{}" and len(refused) == 4
+
+
+def test_run_records_are_the_json_files_of_runs_ordered_by_start_then_run_id(tmp_path):
+    """runs.py: a record is runs/<run id>.json (a stray file of another name, a JSON object though it be, is no
+    run's); records are ordered by start, then run id, where a record that says neither sorts first (one run id may
+    be the start of another: two hosts named gpu and gpu-12, started in one second)."""
+    from launcher.ledger.runs import latest_record, read_records, write_record
+
+    store = Store(tmp_path)
+    a = {"run_id": "20261202T010000-gpu-12", "start": "2026-12-02T01:00:00"}
+    b = {"run_id": "20261202T010000-gpu-12-5", "start": "2026-12-02T01:00:00"}
+    c = {"run_id": "20261203T010000-gpu-7", "start": "2026-12-03T01:00:00"}
+    for rec in (c, b, a):
+        write_record(store, rec)
+    no_start = {"run_id": "20261201T000000-old-1", "shards": 1}  # a record from a writer that kept no start
+    no_id = {"start": "2026-12-02T01:00:00", "shards": 2}
+    (tmp_path / "runs" / "20261130T0-old-1.json").write_text(json.dumps(no_start))
+    (tmp_path / "runs" / "20261202T0-noid.json").write_text(json.dumps(no_id))
+    (tmp_path / "runs" / "zz-notes.txt").write_text(json.dumps({"run_id": "zz", "start": "2099-01-01T00:00:00"}))
+    assert read_records(store) == [no_start, no_id, a, b, c]
+    assert latest_record(store) == c
+
+
+def test_a_folder_with_a_file_only_in_a_subfolder_is_not_empty_and_a_run_json_that_is_not_json_is_named(tmp_path):
+    """runs.py: output.dir must be empty or meshgen's: a file anywhere below a folder makes it not empty (an empty
+    folder alone does not); a run.json that is not JSON is refused naming the first 80 characters of why."""
+    from launcher.errors import ConfigError
+    from launcher.ledger.runs import check_ours
+
+    (tmp_path / "a" / "empty").mkdir(parents=True)
+    (tmp_path / "b" / "deep").mkdir(parents=True)
+    (tmp_path / "b" / "deep" / "notes.txt").write_text("x")
+    store = Store(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_ours(store)
+    assert str(e.value) == (
+        f"output.dir {tmp_path} is not empty and is not a meshgen folder (no run.json; it holds b); "
+        "choose an empty or new folder"
+    )
+    bad = ("\n" * 100_000 + "{x").encode()
+    with pytest.raises(ValueError) as why:
+        json.loads(bad)
+    (tmp_path / "run.json").write_bytes(bad)
+    with pytest.raises(ConfigError) as e:
+        check_ours(store)
+    assert str(e.value).startswith(
+        f"output.dir {tmp_path} holds a run.json that meshgen did not write (not JSON: {str(why.value)[:80]}); "
+    )
+
+
+def test_the_versions_recorded_name_torch_tpu_where_it_is_installed(monkeypatch):
+    """runs.py versions (run.json, each run's record, the dataset card, the hosts' agreement): the TPU extra's
+    package (pyproject: torch-tpu) is named where it is installed, as a TPU host's are."""
+    import importlib.metadata
+
+    from launcher.ledger.runs import versions
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: f"v-{name}")
+    assert versions() == {n: f"v-{n}" for n in ("meshgen", "torch", "diffusers", "transformers", "torch_tpu")}
+
+
+def test_verify_takes_an_old_state_without_rows_and_a_file_recorded_without_its_hash_by_size(tmp_path):
+    """verify.py (tools/status.py --verify): a state from before rows were recorded has its Parquet footer compared
+    with its data bytes only; a file recorded with its size alone is checked for its size."""
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.verify import hash_damage
+
+    store = Store(tmp_path)
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"id": ["a", "b", "c"]}), tmp_path / "data" / "shard-00000.parquet")
+    footer = pq.ParquetFile(tmp_path / "data" / "shard-00000.parquet").metadata
+    data_bytes = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
+    store.write_json(state_rel(0), {"status": "done", "data_bytes": data_bytes})
+    (tmp_path / "data" / "x.bin").write_bytes(b"12345")
+    store.write_json(state_rel(1), {"status": "done", "rows": 1, "files": {"data/x.bin": [5]}})
+    assert hash_damage(store, {0: {"status": "done"}, 1: {"status": "done"}}) == {}
+
+
+def test_a_conditional_create_on_s3_is_bounded_in_connecting_answering_and_tries(monkeypatch):
+    """store.py boto_bounds: boto3's conditional create (claims and locks on S3) waits at most S3_TIMEOUT_S to
+    connect and twice that for an answer, 2 tries (boto3's own defaults: 60 s, 60 s, 5 tries); two conditional
+    writes of one key at once (S3's 409 ConditionalRequestConflict) is a create lost, as an existing key's 412 is."""
+    import socket
+    import threading
+    import time
+
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from launcher.ledger import store as store_mod
+
+    monkeypatch.setattr(store_mod, "S3_TIMEOUT_S", 0.5)
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_PROFILE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(k, raising=False)
+
+    def create(endpoint: str, wait_s: float) -> BaseException | None:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        raised = []
+        worker = threading.Thread(
+            target=lambda: _raised(lambda: store_mod._s3_create_exclusive("b", "lock", b"{}"), raised), daemon=True
+        )
+        worker.start()
+        worker.join(wait_s)
+        assert not worker.is_alive(), f"the create still waits on {endpoint} after {wait_s} s"
+        return raised[0] if raised else None
+
+    silent, held = socket.create_server(("127.0.0.1", 0)), []  # accepts, reads, never answers
+
+    def hold(conn):
+        start = time.monotonic()
+        while conn.recv(65536):
+            pass
+        held.append(time.monotonic() - start)  # until the client gave up on it
+
+    def serve():
+        while True:
+            try:
+                conn, _ = silent.accept()
+            except OSError:
+                return
+            threading.Thread(target=hold, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        assert isinstance(create(f"http://127.0.0.1:{silent.getsockname()[1]}", 8), OSError)
+        time.sleep(0.2)
+        # 2 tries, each of botocore's 1 s wait for `100 Continue` (its PUTs ask for it) and 1 s for the answer
+        assert len(held) == 2 and all(s < 2.3 for s in held), held
+    finally:
+        silent.close()
+    full = socket.socket()  # a listener whose queue is full: a connection is never completed
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    queued = [socket.socket() for _ in range(3)]
+    for q in queued:
+        q.setblocking(False)
+        q.connect_ex(full.getsockname())
+    try:
+        assert isinstance(create(f"http://127.0.0.1:{full.getsockname()[1]}", 5), OSError)
+    finally:
+        for q in [*queued, full]:
+            q.close()
+
+    class Client:
+        def __init__(self, code):
+            self.code = code
+
+        def put_object(self, **kw):
+            raise ClientError({"Error": {"Code": self.code, "Message": "m"}}, "PutObject")
+
+    monkeypatch.setattr(boto3, "client", lambda *a, **kw: Client("ConditionalRequestConflict"))
+    assert store_mod._s3_create_exclusive("b", "k", b"") is False
+    monkeypatch.setattr(boto3, "client", lambda *a, **kw: Client("AccessDenied"))
+    with pytest.raises(ClientError):
+        store_mod._s3_create_exclusive("b", "k", b"")
+
+
+def _raised(fn, into: list) -> None:
+    try:
+        fn()
+    except Exception as e:  # what the client says
+        into.append(e)

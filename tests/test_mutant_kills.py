@@ -3399,3 +3399,446 @@ def test_one_process_on_a_host_has_the_whole_hosts_share_for_its_images(monkeypa
     cfg.mesh.dp = 2  # two processes: each has half of that, less than its images
     with pytest.raises(ConfigError, match=r"^one pipeline call makes 2 images .* over its 2 processes\)"):
         plan_mesh(cfg, "cpu", None)
+
+
+def _failed_job(i: int):
+    """A shard that failed in generation: the writer only records it (it has no image to write)."""
+    from launcher.writer.bgwriter import ShardJob
+
+    return ShardJob(i, f"shard-{i:05d}", [], {"status": "failed", "error": "E: x", "error_class": "E"})
+
+
+def _in_thread(target, *args):
+    """target(*args) in a daemon thread, and what it returned or raised once it ends."""
+    import threading
+
+    got: dict = {}
+
+    def run():
+        try:
+            got["returned"] = target(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            got["raised"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, got
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["drains", "fails"])
+def test_a_full_queue_at_close_is_waited_for_and_a_writer_that_fails_meanwhile_is_raised_to_every_waiter(
+    fails, tmp_path
+):
+    """launcher/writer/bgwriter.py: generation (add) and close() wait for room in the queue (output.queue_shards)
+    a second at a time, looking between waits at the writer thread: close() with the queue full for longer than
+    one wait still ends once the writer has drained it; a writer thread that fails (here its on_recorded) while
+    add() and close() wait is raised to both ("the shard writer stopped: ..."), never waited on for ever."""
+    import threading
+    import time
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.bgwriter import BackgroundWriter
+
+    entered, release, recorded = threading.Event(), threading.Event(), []
+
+    def on_recorded(index: int) -> None:
+        entered.set()
+        assert release.wait(60)
+        if fails:
+            raise ValueError("the ledger broke")
+        recorded.append(index)
+
+    writer = BackgroundWriter(Store(tmp_path), load_config("tiny", ["output.queue_shards=1"]).output, 1, on_recorded)
+    try:
+        writer.submit(_failed_job(0))
+        assert entered.wait(60)  # the writer thread holds shard 0
+        writer.submit(_failed_job(1))  # and the queue is full
+        adding = _in_thread(writer.add, 2, "shard-00002", [])
+        closing = _in_thread(writer.close)
+        time.sleep(1.5)  # both have waited for room more than once
+        assert adding[0].is_alive() and closing[0].is_alive()
+        release.set()
+        for thread, _ in (closing, adding) if fails else (closing,):
+            thread.join(20)
+            assert not thread.is_alive(), "still waiting on the writer after 20 s"
+    finally:
+        release.set()
+    if fails:
+        for _, got in (adding, closing):
+            assert repr(got.get("raised")) == (
+                "RuntimeError(\"the shard writer stopped: ValueError('the ledger broke')\")"
+            ), got
+    else:
+        assert "raised" not in closing[1] and recorded == [0, 1]
+        assert "raised" not in adding[1]  # the batch of no image went in behind shard 1 and was dropped at close
+
+
+def test_a_shard_whose_output_is_full_fails_out_of_space_with_its_traceback_and_its_whole_writer_wait(
+    tmp_path, monkeypatch, caplog
+):
+    """launcher/writer/bgwriter.py: a write the output refuses for want of room fails the shard with the error, its
+    class and its traceback (as Python prints it), and marks it and the writer out of space (the launcher's last
+    line says so: launcher/sizing/space.py); the seconds submit() waited for room are added to the stage timings'
+    writer_wait, to the tenth of a millisecond. Here the full disk refuses the state file's removal, which ZFS and
+    btrfs do when full. A shard with no files in the writer process has nothing to drop: no warning."""
+    import errno
+    import time
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer import bgwriter
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
+
+    class FullDisk(Store):
+        def delete(self, rel: str) -> None:
+            if rel == "state/shard-00003.json":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().delete(rel)
+
+    recorded: list[int] = []
+    writer = BackgroundWriter(FullDisk(tmp_path), load_config("tiny").output, 1, recorded.append)
+    job = ShardJob(3, "shard-00003", [], {"status": "done", "rows": 0, "seconds": 1.0})
+    job.state["stages"] = {"denoise": 2.0, "writer_wait": 0.25}  # the batches' waits, as the worker hands them
+    clock = iter([10.0, 10.123456])  # submit waited 0.123456 s for room
+    monkeypatch.setattr(bgwriter, "time", types.SimpleNamespace(perf_counter=lambda: next(clock), time=time.time))
+    try:
+        assert writer.submit(job) == pytest.approx(0.123456)
+    finally:
+        monkeypatch.setattr(bgwriter, "time", time)
+    with caplog.at_level("WARNING"):
+        writer.close()
+    state = json.loads((tmp_path / "state" / "shard-00003.json").read_text())
+    assert state["stages"] == {"denoise": 2.0, "writer_wait": 0.3735}
+    assert (state["status"], state["error_class"]) == ("failed", "OSError")
+    assert state["error"] == "OSError while writing: [Errno 28] No space left on device"
+    lines = state["traceback"].splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[1].startswith('  File "'), lines
+    assert lines[-1] == "OSError: [Errno 28] No space left on device"
+    assert state["out_of_space"] is True and writer.out_of_space is True and recorded == [3]
+    assert "could not be dropped" not in caplog.text
+
+
+def test_each_attempt_of_a_shard_in_one_writer_starts_from_nothing_and_a_batch_dropped_for_a_lost_claim_fails_it(
+    tmp_path,
+):
+    """launcher/writer/bgwriter.py, one shard's attempts in the same writer: a batch that reaches the writer after
+    our claim was taken over is dropped, and the shard fails naming why, even where the claim is ours again by its
+    end (never done without the dropped rows); its next attempt is written whole (the failure is not held against
+    it) and its first batch removes the failed state; an attempt taken over at its end is left to the new holder,
+    and once claimed again its first batch removes that holder's done state before any of its files change."""
+    from conftest import until
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.ledger.store import Store
+    from launcher.writer.bgwriter import BackgroundWriter, ShardJob
+
+    held, asked, recorded, lost = {0: False}, [], [], []
+    store, state = Store(tmp_path), tmp_path / "state" / "shard-00000.json"
+
+    def still_held(index: int) -> bool:
+        asked.append(index)
+        return held[index]
+
+    writer = BackgroundWriter(store, load_config("tiny").output, 1, recorded.append, still_held, lost.append)
+
+    def end(rows: int) -> None:
+        writer.submit(ShardJob(0, "shard-00000", [], {"status": "done", "rows": rows, "seconds": 1.0}))
+
+    try:
+        writer.add(0, "shard-00000", samples(["a"], 0, first=0))
+        until(lambda: asked)  # the batch met a claim taken over: dropped
+        held[0] = True  # ours again (the other run gave it up) by the shard's end
+        end(1)
+        until(lambda: recorded == [0])
+        first = json.loads(state.read_text())
+        assert (first["status"], first["error"]) == (
+            "failed",
+            "RuntimeError while writing: our claim on shard 0 was taken over mid-shard",
+        )
+        writer.add(0, "shard-00000", samples(["b", "c"], 1, first=0))  # the next attempt
+        until(lambda: not state.exists(), timeout_s=10)
+        end(2)
+        until(lambda: recorded == [0, 0])
+        assert json.loads(state.read_text())["status"] == "done"
+        writer.add(0, "shard-00000", samples(["d"], 2, first=0))  # a third, taken over at its end
+        until(lambda: not state.exists(), timeout_s=10)
+        held[0] = False
+        end(1)
+        until(lambda: lost == [0])
+        store.write_json("state/shard-00000.json", {"status": "done", "rows": 1, "run_id": "another"})
+        held[0] = True  # claimed again
+        writer.add(0, "shard-00000", samples(["e"], 3, first=0))
+        until(lambda: not state.exists(), timeout_s=10)
+        end(1)
+    finally:
+        writer.close()
+    assert recorded == [0, 0, 0] and lost == [0] and writer.failed == [0]
+    assert json.loads(state.read_text())["status"] == "done"
+    assert pq_ids(tmp_path / "data" / "shard-00000.parquet") == ["e"]
+
+
+def pq_ids(path) -> list:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)["id"].to_pylist()
+
+
+def _stream_cfg(**settings):
+    """Output settings as the writer process gets them (a SimpleNamespace of plain values): PNG, Parquet only,
+    row groups of 2, unless `settings` says otherwise."""
+    base = {"format": "png", "parquet": True, "webdataset": False, "image_files": False, "row_group_size": 2}
+    return types.SimpleNamespace(**(base | settings))
+
+
+def test_a_shard_without_parquet_is_committed_and_aborted_as_one_with_it(tmp_path):
+    """launcher/writer/stream.py with output.parquet=false: the image files and the WebDataset tar are committed
+    whole, and the state keeps their sizes and hashes and no Parquet size (it is sound: launcher/ledger/states.py);
+    aborted, before or after its first batch, such a shard leaves nothing and raises nothing."""
+    from launcher.ledger.states import parse_state
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+
+    cfg = _stream_cfg(parquet=False, webdataset=True, image_files=True, row_group_size=1)
+    stream = ShardStream(Store(tmp_path), "shard-00000", cfg)
+    stream.add([_stream_sample(1), _stream_sample(0)])
+    record = stream.commit()
+    assert sorted(record) == ["files"]
+    assert sorted(record["files"]) == [
+        "images/shard-00000/s0.png",
+        "images/shard-00000/s1.png",
+        "webdataset/shard-00000.tar",
+    ]
+    state, damaged = parse_state(json.dumps({"status": "done", "rows": 2, "seconds": 1.0, **record}).encode())
+    assert damaged is None and state["files"] == record["files"]
+    ShardStream(Store(tmp_path), "shard-00001", cfg).abort()  # nothing handed over yet
+    stream = ShardStream(Store(tmp_path), "shard-00002", cfg)
+    stream.add([_stream_sample(0)])
+    stream.abort()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == sorted(["images", "images/shard-00000", "webdataset", *record["files"]])  # no hidden leftover
+
+
+def test_samples_in_their_turn_are_written_as_they_come_and_those_early_wait_for_it(tmp_path):
+    """launcher/writer/stream.py: a sample whose turn it is goes to the shard's files at once (here its image into
+    the shard's hidden image folder), and so do those that waited for it; one that comes early waits, and the
+    shard's rows keep its order. The Parquet is zstd-compressed (docs/reference.md, output.row_group_size)."""
+    import pyarrow.parquet as pq
+
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+
+    stream = ShardStream(Store(tmp_path), "shard-00000", _stream_cfg(image_files=True))
+    [hidden] = list((tmp_path / "images").iterdir())  # shard-00000's folder until commit
+
+    written = []
+    for batch in ([1], [0], [2], [3]):
+        stream.add([_stream_sample(i) for i in batch])
+        written.append(len(list(hidden.iterdir())))
+    assert written == [0, 2, 3, 4]
+    stream.commit()
+    meta = pq.ParquetFile(tmp_path / "data" / "shard-00000.parquet").metadata
+    assert pq_ids(tmp_path / "data" / "shard-00000.parquet") == ["s0", "s1", "s2", "s3"]
+    codecs = {
+        meta.row_group(g).column(c).compression for g in range(meta.num_row_groups) for c in range(meta.num_columns)
+    }
+    assert codecs == {"ZSTD"}
+
+
+def test_the_writer_process_commits_a_shard_of_no_batch_and_a_full_disk_at_commit_is_the_error(tmp_path, monkeypatch):
+    """launcher/writer/writer_process.py `_finish`: a shard that handed no batch over (all its rows set aside: an
+    empty shard of the plan) still gets its empty files; a disk that fills when the Parquet is committed, after its
+    image folder was put in place, fails the shard with that error (the writer then knows the output is full), not
+    with one from cleaning up."""
+    import contextlib
+    import errno
+
+    import pyarrow.parquet as pq
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.ledger.store import Store
+    from launcher.writer import writer_process as wp
+
+    class FullAtCommit(Store):
+        @contextlib.contextmanager
+        def open_output(self, rel: str):
+            with super().open_output(rel) as f:
+                yield f
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    cfg = _stream_cfg(quality=95, lossless=False, png_encoder="imagecodecs", png_level=1, webp_method=0)
+    monkeypatch.setattr(wp, "_OUT", {"store": Store(tmp_path), "cfg": cfg, "encoders": None})
+    monkeypatch.setattr(wp, "_STREAMS", {})
+    assert sorted(wp._finish("shard-00005")["files"]) == ["data/shard-00005.parquet"]
+    assert pq.read_table(tmp_path / "data" / "shard-00005.parquet").num_rows == 0
+    wp._OUT.update(store=FullAtCommit(tmp_path), cfg=types.SimpleNamespace(**{**vars(cfg), "image_files": True}))
+    wp._add_batch("shard-00006", samples(["a"], 0, first=0))
+    with pytest.raises(OSError) as e:
+        wp._finish("shard-00006")
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_the_writer_processs_encoders_are_as_many_as_asked_die_with_it_and_are_gone_once_stopped(tmp_path, monkeypatch):
+    """launcher/writer/writer_process.py, set up in this process as in the writer process: `encode_workers`
+    encoders whatever the host's cores, each asking the kernel to kill it when the writer process dies
+    (PR_GET_PDEATHSIG reads SIGKILL in each); a batch of many images per encoder is spread over them and written
+    in order; `_stop_encoders` returns once they are gone. pandas is refused by name, its submodules too."""
+    import signal
+    import sys
+
+    import psutil
+    from test_runtime_bounds import _samples as samples
+
+    from launcher.config import load_config
+    from launcher.writer import writer_process as wp
+
+    real = wp.die_with_parent
+
+    def not_this_process(parent):  # this process stands for the writer process: its encoders get the real one
+        monkeypatch.setattr(wp, "die_with_parent", real)
+
+    monkeypatch.setattr(wp, "die_with_parent", not_this_process)
+    monkeypatch.setattr(wp.os, "nice", lambda n: None)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(wp, "_OUT", {})
+    monkeypatch.setattr(wp, "_STREAMS", {})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # a host of more cores than the encoders asked for
+    plain = types.SimpleNamespace(**OmegaConf.to_container(load_config("tiny").output, resolve=True))
+    wp._start_writer(str(tmp_path), plain, 2, os.getpid())
+    pool = wp._OUT["encoders"]
+    try:
+        assert pool._max_workers == 2
+        ask = "(lambda c: (lambda v: (c.CDLL(None).prctl(2, c.byref(v)), v.value)[1])(c.c_int()))(__import__('ctypes'))"
+        assert {pool.submit(eval, ask).result(timeout=60) for _ in range(6)} == {signal.SIGKILL}
+        ids = [f"s{k:02d}" for k in range(12)]  # 6 an encoder: more than the 4 that make a chunk of 1
+        wp._add_batch("shard-00000", samples(ids, 0, first=0))
+        wp._finish("shard-00000")
+        assert pq_ids(tmp_path / "data" / "shard-00000.parquet") == ids
+        encoders = [psutil.Process(pid) for pid in pool._processes]
+    finally:
+        wp._stop_encoders()
+    assert [p.pid for p in encoders if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    finder = sys.meta_path[0]
+    for name in ("pandas", "pandas.core.frame"):
+        with pytest.raises(ModuleNotFoundError, match="the writer process does without pandas"):
+            finder.find_spec(name)
+    assert finder.find_spec("pandas_like") is None and finder.find_spec("numpy") is None
+
+
+# A rank that started its writer (two encoders) and then fails, as a worker started with `python -m
+# launcher.worker.main` does: its exception ends the interpreter, whose exit handlers run.
+RANK_THAT_FAILS = """
+import sys
+from launcher.config import load_config
+from launcher.ledger.store import Store
+from launcher.writer.bgwriter import BackgroundWriter
+w = BackgroundWriter(Store(sys.argv[1]), load_config("tiny").output, 2, on_recorded=lambda i: None)
+w._process.submit(int).result()  # the writer process and its encoders are up
+print(*w._process._processes, flush=True)
+raise RuntimeError("the model could not be loaded")
+"""
+
+
+def test_a_rank_that_fails_without_closing_its_writer_still_exits(tmp_path):
+    """launcher/writer/bgwriter.py: a rank that fails before it closes its writer (two encoders) exits with its
+    error, and its writer process ends too: the shard-writer thread, waiting for work, does not hold the
+    interpreter's exit (a daemon thread)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_THAT_FAILS, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        (writer,) = map(int, rank.stdout.readline().split())
+        _, err = rank.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(rank.pid).children(recursive=True):
+            p.kill()
+        rank.kill()
+        rank.communicate()
+        pytest.fail("the rank still runs 60 s after its error")
+    assert rank.returncode == 1 and "RuntimeError: the model could not be loaded" in err, err
+    assert not psutil.pid_exists(writer) or psutil.Process(writer).status() == psutil.STATUS_ZOMBIE
+
+
+def test_each_encoding_setting_reaches_pillow_and_lossless_webp_takes_the_least_effort():
+    """launcher/writer/encode.py: PNG through Pillow at output.png_level (0: stored, larger than the pixels), WebP
+    through Pillow at output.webp_method, and lossless WebP at the least effort (level 0: "the level of lossless
+    webp is effort") in either library, its pixels kept exactly."""
+    import imagecodecs
+
+    from launcher.writer.encode import Encoding, encode
+
+    y, x = np.mgrid[0:256, 0:256]
+    noise = np.random.default_rng(0).integers(0, 8, (256, 256)) * 30
+    px = np.stack([(x * y) % 251, (x + 3 * y) % 256, noise], -1).astype(np.uint8)
+
+    def pil(**settings) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, **settings)
+        return buf.getvalue()
+
+    stored = encode(px, Encoding("png", png_encoder="pil", png_level=0))
+    assert stored == pil(format="PNG", compress_level=0) and len(stored) > px.size
+    lossless = encode(px, Encoding("webp", lossless=True))
+    assert lossless == pil(format="WEBP", lossless=True, quality=0, method=0)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(lossless)).convert("RGB")), px)
+    assert encode(px, Encoding("webp", quality=90), "pil") == pil(format="WEBP", quality=90, method=0)
+    assert encode(px, Encoding("webp", lossless=True), "imagecodecs") == bytes(
+        imagecodecs.webp_encode(px, level=0, lossless=True, method=0)
+    )
+
+
+def test_an_edit_shards_reference_columns_have_their_datasets_features():
+    """launcher/writer/writer.py: the Parquet's `huggingface` metadata gives every column its feature, in the
+    columns' order: an edit's `reference` is a list of {id, path, sha256} strings and `reference_image` an Image."""
+    from launcher.writer.writer import schema_of
+
+    sample = {"id": "a", "reference": [{"id": "r", "path": "r.png", "sha256": "0" * 64}], "reference_image": {}}
+    schema = schema_of([sample])
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    assert list(features) == schema.names
+    text = {"dtype": "string", "_type": "Value"}
+    assert features["reference"] == [{"id": text, "path": text, "sha256": text}]
+    assert features["reference_image"] == {"_type": "Image"}
+
+
+def test_a_webdataset_key_may_be_as_long_as_an_id(tmp_path):
+    """DESIGN: a sample id may be up to 200 bytes (launcher/sources/row_checks.py); its WebDataset key is its file
+    stem, and the tar holds `<key>.png` and `<key>.json` whole (a POSIX tar's plain header has room for 100)."""
+    import tarfile
+
+    from launcher.ledger.store import Store
+
+    key = "k" * 200
+    _write_shard(Store(tmp_path), [{"id": key, "encoded": b"png"}], "output.webdataset=true")
+    with tarfile.open(tmp_path / "webdataset" / "shard-00000.tar") as tar:
+        assert tar.getnames() == [f"{key}.png", f"{key}.json"]
+        assert tar.extractfile(f"{key}.png").read() == b"png"
+
+
+def test_an_aborted_shards_parquet_writer_is_closed_at_once_into_nothing(tmp_path, monkeypatch):
+    """launcher/writer/stream.py abort: the shard's Parquet writer and tar are closed at once into nothing, so no
+    close at garbage collection writes or fails later (pyarrow's __del__ would print a traceback into the worker's
+    log); nothing of the shard stays."""
+    import gc
+    import sys
+
+    from launcher.ledger.store import Store
+    from launcher.writer.stream import ShardStream
+
+    unraisable: list = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    stream = ShardStream(Store(tmp_path), "shard-00001", _stream_cfg(webdataset=True))
+    stream.add([_stream_sample(i) for i in (1, 0, 2)])
+    stream.abort()
+    del stream
+    gc.collect()
+    assert unraisable == [] and [p for p in tmp_path.rglob("*") if p.is_file()] == []

@@ -131,7 +131,8 @@ class ShardStream:
             )
         if self.cfg.webdataset:
             self._wds = self._open(f"{WDS_DIR}/{self.name}.tar")
-            self._tar = tarfile.open(fileobj=self._wds, mode="w", format=tarfile.USTAR_FORMAT)
+            # PAX: a key is an id's file stem, up to 200 bytes; USTAR's headers refuse names over 100
+            self._tar = tarfile.open(fileobj=self._wds, mode="w", format=tarfile.PAX_FORMAT)
 
     def add(self, samples: list[dict]) -> None:
         """Write the samples whose turn it is (and those that waited for them); spool the others."""
