@@ -85,7 +85,7 @@ def check_cache(cfg, family: Family) -> None:
     options = OmegaConf.to_container(cfg.execution.cache_options)
     try:
         cache_config(name, options, cfg.generate.num_inference_steps)  # ty: ignore[invalid-argument-type]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:  # torch's, on mag_ratios it cannot use
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
             f"execution.cache_options={options} are not accepted by diffusers' {CONFIG_CLASSES[name]} ({first}); "
