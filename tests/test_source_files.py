@@ -275,3 +275,459 @@ def test_large_string_columns_and_a_file_whose_column_is_all_empty_read_as_one_s
     rows = pa.Table.from_batches(list(read_batches(src))).to_pylist()
     assert [(r["prompt"], r["negative_prompt"], r["tag"]) for r in rows] == [
         ("a", None, "x"), ("b", None, "y"), ("c", "blurry", "z")]  # fmt: skip
+
+
+# -- survivors of the sources room's mutation run (docs/survivors/sources.txt)
+
+
+def _png(size: int = 64, noise: bool = False) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (size, size, 3), dtype=np.uint8) if noise else None
+    im = Image.fromarray(pixels) if noise else Image.new("RGB", (size, size), (200, 10, 10))
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_a_symlink_loop_names_the_link_or_says_a_link_in_the_path_leads_back(tmp_path):
+    """globs.py: a folder whose real path is one `**` is already inside is a loop, refused in one line. It names
+    the folder where that folder is itself the link (here a link back to the folder a `*` reached, where the `**`
+    starts); where the loop comes through a link higher up (a `*` that took the link, then a real folder under
+    it), the folder is no link, and the line says "a link in it"."""
+    import os
+
+    root = os.path.realpath(tmp_path)
+    g = f"{root}/g"
+    os.makedirs(f"{g}/a/b")
+    os.symlink(f"{g}/a", f"{g}/a/b/up")  # back to a, which `*` reached
+    pattern = f"{g}/*/**/*.txt"
+    with pytest.raises(ConfigError) as e:
+        source_files(pattern)
+    assert str(e.value) == (
+        f"dataset.path {pattern}: {g}/a/b/up leads back to {g}/a, a folder it is inside, so ** would never end "
+        "(a symlink loop); remove the link or write a glob that does not recurse through it"
+    )
+    h = f"{root}/h"
+    os.makedirs(f"{h}/a")
+    os.symlink(h, f"{h}/a/x")  # `*` takes x (h itself); under it, h/a/x/a is the real folder h/a again
+    pattern = f"{h}/a/*/**/*.txt"
+    with pytest.raises(ConfigError) as e:
+        source_files(pattern)
+    assert str(e.value) == (
+        f"dataset.path {pattern}: a link in it leads back to {h}/a, a folder it is inside, so ** would never end "
+        "(a symlink loop); remove the link or write a glob that does not recurse through it"
+    )
+
+
+def test_names_that_end_in_a_space_or_an_x_are_read_as_written(tmp_path):
+    """Only a trailing '/' is dropped from a path (a folder given as `dir/`): a file or folder name that ends in a
+    space or in a letter the code strips elsewhere (the X of `rstrip("XX/XX")`) is that name, whether a glob
+    reaches it, it is an earlier run's folder, or it is the folder that relative references start from."""
+    from launcher.sources.reach import check_output_outside_source
+    from launcher.sources.references import _base_dir
+
+    g = tmp_path / "g"
+    for folder in ("a ", "bX"):
+        (g / folder).mkdir(parents=True)
+        (g / folder / "p.txt").write_text("a cat\n")
+    assert source_files(f"{g}/*/p.txt") == [f"{g}/a /p.txt", f"{g}/bX/p.txt"]  # as glob.glob names them
+    for name, shown in (("p.txtX", "'.txtx'"), ("p.txt ", "'.txt '")):  # the extension is all after the last '.'
+        (tmp_path / name).write_text("a cat\n")
+        assert _refusal(tmp_path / name) == (
+            f"dataset {tmp_path}/{name}: unknown format {shown}; use one of .txt, .jsonl, .csv, .parquet"
+        )
+    for name in ("run ", "runX"):
+        _earlier_run(tmp_path / name, {0: ["a"]})
+        assert source_files(str(tmp_path / name)) == [f"{tmp_path}/{name}/data/shard-00000.parquet"]
+        assert _base_dir(str(tmp_path / name)) == str(tmp_path / name)
+    # `** ` is no `**`: it matches names ending in a space within x, so x/out is out of its reach
+    check_output_outside_source(f"{g}/x/** ", f"{g}/x/out")
+
+
+def test_only_objects_that_share_a_size_and_a_time_are_asked_for_their_etag(tmp_path, monkeypatch):
+    """globs.py once_each: an object store has no inodes, so two objects are one file when their size, time and
+    ETag agree. The ETag costs a HEAD request an object: only objects that share a size and a time with another
+    are asked (none for most sources), and of those with one ETag the first is kept."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    from launcher.sources import globs
+
+    asked = []
+    monkeypatch.setattr(globs, "_etag", lambda scheme, f: asked.append((scheme, f)) or '"one-etag"')
+    found = []
+    for name, data in (("a.txt", b"1\n"), ("b.txt", b"22\n"), ("c.txt", b"22\n")):
+        (tmp_path / name).write_bytes(data)
+        os.utime(tmp_path / name, ns=(10**18, 10**18))
+        found.append(str(tmp_path / name))
+    fs = pafs.LocalFileSystem()
+    infos = {i.path: i for i in fs.get_file_info(found)}
+    assert globs.once_each(found, infos, fs, "s3://") == found[:2]  # c.txt repeats b.txt
+    assert asked == [("s3://", found[1]), ("s3://", found[2])]  # a.txt has a size of its own: no request
+
+
+def test_a_hub_repo_is_the_one_named_and_its_refusals_say_which_hub_was_asked(hub, hub_env, monkeypatch):
+    """hf:// sources (launcher/sources/hub_source.py): a repo whose name ends in X is that repo, read whole, by a
+    glob or a file (Parquet through pyarrow's random-access file); a folder in it is no data file; an unknown repo
+    names the Hub it asked (HF_ENDPOINT, as set now, without a trailing '/'), and an address that is none says so."""
+    from fake_hub import Repo
+
+    from launcher.sources import hub_source
+
+    parquet = test_hub_source._parquet([{"prompt": "from parquet"}])
+    hub.repos["datasets/org/othersX"] = Repo({"p.txt": b"a prompt\n", "q.parquet": parquet, "X/r.txt": b"r\n"})
+    base = "hf://datasets/org/othersX"  # org/others is no repo of the Hub
+    assert source_files(base) == [f"{base}/X/r.txt", f"{base}/p.txt", f"{base}/q.parquet"]
+    assert source_files(f"{base}/*.txt") == [f"{base}/p.txt"]
+    assert [r["prompt"] for r in pa.Table.from_batches(read_batches(Source(f"{base}/q.parquet"))).to_pylist()] == [
+        "from parquet"
+    ]
+    assert _refusal(f"{base}/X").startswith(f"dataset.path {base}/X is a folder but not one written by datasets")
+    endpoint = hub_env["HF_ENDPOINT"].rstrip("/")
+    assert f"{endpoint} (HF_ENDPOINT) has no dataset repo org/nothing that" in _refusal(
+        "hf://datasets/org/nothing/p.txt"
+    )
+    bad = "hf://datasets/org/a name/p.txt"
+    said = _refusal(bad)
+    assert said.startswith(f"dataset.path {bad} is not a Hub address (") and said.endswith(
+        "); write hf://datasets/ORG/NAME[@REVISION][/path or glob]"
+    )
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example/mirrorX/")
+    assert hub_source.unreadable("hf://datasets/o/n/p.txt", "boom").startswith(
+        "dataset.path hf://datasets/o/n/p.txt cannot be read from the Hub at https://hub.example/mirrorX (boom); "
+    )
+
+
+def test_the_exact_readers_batches_have_the_sources_schema_and_carry_late_marks_to_their_rows(tmp_path, monkeypatch):
+    """A file the fast reader gives up on (a seed written 3.0, which JSON types as a float) is read row by row and
+    cut into batches of BATCH_ROWS rows (2 here; 65536 in a run). Each batch has SCHEMA, as the fast reader's
+    (with bad_rows=refuse no `rejected` column: one source, one schema), and with bad_rows=skip a row found bad
+    only late (a duplicate id: Source.late) is marked in whichever batch it falls, by its source position."""
+    from launcher.sources import prompts
+    from launcher.sources.prompts import SCHEMA
+
+    monkeypatch.setattr(prompts, "BATCH_ROWS", 2)
+    (tmp_path / "a.txt").write_text("t0\nt1\n")
+    rows = [{"prompt": "p0", "seed": 3.0}, {"prompt": "p1"}, {"prompt": "p2", "negative_prompt": "dark"}]
+    rows += [{"prompt": "p3"}, {"prompt": "p4", "height": 512}]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batches = list(read_batches(Source(f"{tmp_path}/*")))
+    assert [b.schema for b in batches] == [SCHEMA] * len(batches)
+    t = pa.Table.from_batches(batches)
+    assert t["id"].to_pylist() == [str(i) for i in range(7)]
+    assert t["prompt"].to_pylist() == ["t0", "t1", "p0", "p1", "p2", "p3", "p4"]
+    assert t["seed"].to_pylist() == [None, None, 3, None, None, None, None]
+    assert t["negative_prompt"].to_pylist()[4] == "dark" and t["height"].to_pylist()[6] == 512
+    src = Source(f"{tmp_path}/*", bad_rows="skip", late=((5, "a duplicate"),))
+    marks = pa.Table.from_batches(list(read_batches(src)))["rejected"].to_pylist()
+    assert [json.loads(m) if m else None for m in marks] == [None] * 5 + [
+        {"where": "row 5 of the source", "reason": "a duplicate"}, None]  # fmt: skip
+
+
+def test_repeated_ids_and_file_names_are_named_in_every_format_and_unique_ids_are_read_once(tmp_path, monkeypatch):
+    """An id column (dataset.id_column) must hold each id once, and ids must make distinct file names: the
+    vectorised check finds a clash, and the row-by-row pass then names its rows; in Parquet too, whose rows are
+    read with only the columns used (the id among them). Unique ids cost no second pass over the source."""
+    from launcher.sources import prompts
+
+    p = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"key": ["a", "b", "a"], "prompt": ["x", "y", "z"], "extra": [1, 2, 3]}), p)
+    with pytest.raises(ConfigError) as e:
+        list(read_batches(Source(str(p), id_column="key")))
+    assert str(e.value) == f"dataset {p}, row 2: duplicate id 'a' (first at {p}, row 0); ids must be unique"
+    j = tmp_path / "j.jsonl"
+    j.write_text('{"key": "a b", "prompt": "x"}\n{"key": "a_b", "prompt": "y"}\n')
+    with pytest.raises(ConfigError) as e:
+        list(read_batches(Source(str(j), id_column="key")))
+    assert str(e.value) == (
+        f"dataset {j}: ids 'a b' and 'a_b' both become the file name a_b.png; "
+        "make them differ in letters, digits, '-' or '_'"
+    )
+
+    def no_second_pass(*_args):
+        raise AssertionError("unique ids were read again row by row")
+
+    monkeypatch.setattr(prompts, "_raw_rows", no_second_pass)
+    pq.write_table(pa.table({"key": ["a", "b", "c"], "prompt": ["x", "y", "z"]}), p)
+    assert pa.Table.from_batches(read_batches(Source(str(p), id_column="key")))["id"].to_pylist() == ["a", "b", "c"]
+
+
+def test_a_limit_below_one_is_refused_and_reading_stops_at_the_limit(tmp_path):
+    """read_prompts (tools/bench/bare.py and tests): dataset.limit selects the first rows; 0 selects none and is
+    refused; rows past the limit are not read, so a bad file after them is no error."""
+    from launcher.sources.prompts import read_prompts
+
+    (tmp_path / "1.txt").write_text("a\nb\n")
+    (tmp_path / "2.jsonl").write_text("not json\n")
+    assert read_prompts(f"{tmp_path}/*", limit=2) == [{"id": "0", "prompt": "a"}, {"id": "1", "prompt": "b"}]
+    with pytest.raises(ConfigError, match=r"^dataset.limit=0 selects no prompts; use 1 or more"):
+        read_prompts(str(tmp_path / "1.txt"), limit=0)
+
+
+def test_an_address_with_credentials_or_one_no_store_reads_is_refused_in_one_line(tmp_path, monkeypatch):
+    """DESIGN: an address is printed and recorded everywhere, so one carrying a secret is refused before any
+    store is asked; an address pyarrow cannot parse is one line naming it. A glob with two character classes
+    on a store gives pyarrow's URI parser only its part before the first one (which the parser would refuse)."""
+    from launcher.sources.prompts import filesystem
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing is asked of it
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    said = _refusal("s3://AKIAEXAMPLE:hunter2@bucket/p.txt")
+    assert said.startswith("dataset.path=s3://") and " carries credentials in its address" in said
+    assert "hunter2" not in said
+    assert _refusal("s3:///x.txt") == (
+        "dataset.path s3:///x.txt cannot be read (Missing bucket name in S3 URI); check the address, the network "
+        "and the credentials (the AWS_* variables for s3://, gcloud application default credentials for gs://)"
+    )
+    assert filesystem("s3://bucket/[ab]/[cd].txt")[1] == "bucket/[ab]/[cd].txt"
+
+
+def test_a_glob_over_a_saved_dataset_still_refuses_a_file_of_unknown_format_after_it(tmp_path):
+    saved = tmp_path / "a-saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (tmp_path / "z.tsv").write_text("prompt\ta cat\n")
+    assert _refusal(f"{tmp_path}/*") == (
+        f"dataset {tmp_path}/z.tsv: unknown format '.tsv'; use one of .txt, .jsonl, .csv, .parquet"
+    )
+
+
+def test_an_edit_source_with_kept_columns_gets_both_its_references_and_its_kept_values(tmp_path):
+    """job=edit with dataset.keep_columns: two attachers, row for row (prompts.py _Both); neither replaces the
+    other."""
+    import hashlib
+
+    from launcher.sources.prompts import SizeRule
+
+    png = _png()
+    p = tmp_path / "e.parquet"
+    image = [{"bytes": png, "path": None}] * 2
+    pq.write_table(pa.table({"prompt": ["a", "b"], "image": image, "tag": ["t0", "t1"]}), p)
+    sizes = SizeRule(16, 1 << 22, 64, 64, max_references=1)
+    src = Source(str(p), sizes=sizes, image_column="image", keep_columns=("tag",))
+    t = pa.Table.from_batches(read_batches(src))
+    assert t["ref_sha256"].to_pylist() == [hashlib.sha256(png).hexdigest()] * 2
+    assert [json.loads(v)[0]["src"] for v in t["ref_loc"].to_pylist()] == [
+        [str(p), "image", 0, 0],
+        [str(p), "image", 1, 0],
+    ]
+    assert t["tag"].to_pylist() == ["t0", "t1"]
+
+
+def _refused_row(tmp_path, name: str, data: bytes, **source) -> str:
+    f = tmp_path / name
+    f.write_bytes(data)
+    with pytest.raises(ConfigError) as e:
+        list(read_batches(Source(str(f), **source)))
+    return str(e.value)
+
+
+def test_each_bad_row_or_file_the_exact_reader_meets_is_worded_in_its_one_line(tmp_path):
+    """DESIGN: an error names what is wrong, where, and the fix. The exact reader words each refusal; these are
+    the ones a file can only meet there (the fast reader gives up on them first)."""
+    f = tmp_path / "n.jsonl"
+    assert _refused_row(tmp_path, "n.jsonl", b'{"prompt": null}\n') == (
+        f"dataset {f}, line 1: the prompt ('prompt') is missing (null), not text; fix that row"
+    )
+    line = "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]"  # 47 characters: shown up to 40
+    assert _refused_row(tmp_path, "n.jsonl", line.encode() + b"\n") == (
+        f"dataset {f}, line 1: expected a JSON object {{...}}, got {line[:40]}; fix that line"
+    )
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a"], "n": [1]}), p)
+    assert _refused_row(tmp_path, "t.parquet", p.read_bytes()) == (
+        f"dataset {p} has no prompt column 'prompt' (dataset.prompt_column); columns found: text, n"
+    )
+    c = tmp_path / "c.parquet"
+    c.write_bytes(b"no parquet here")
+    with pytest.raises(pa.ArrowInvalid) as e:  # pyarrow's own words for a file that is no Parquet
+        pq.ParquetFile(str(c))
+    first = str(e.value).strip().splitlines()[0]
+    assert _refused_row(tmp_path, "c.parquet", b"no parquet here") == (
+        f"dataset {c}: not a readable Parquet file ({first}); rewrite it"
+    )
+    c = tmp_path / "s.csv"
+    assert _refused_row(tmp_path, "s.csv", b"prompt,seed\na,1\nb,NA\n") == (  # no "NA" is a null in a CSV
+        f"dataset {c}, line 3: column 'seed' is 'NA'; it must be an integer from 0 to 2**63-1 (or empty, to use "
+        "the config's)"
+    )
+    assert _refused_row(tmp_path, "s.csv", b"prompt\na\n", id_column="key") == (
+        f"dataset {c}, line 2 has no id column 'key' (dataset.id_column); columns found: prompt; fix the row or set "
+        "dataset.id_column=null"
+    )
+
+
+def test_integer_ids_are_read_as_text_by_the_fast_reader(tmp_path):
+    f = tmp_path / "i.jsonl"
+    f.write_text('{"key": 7, "prompt": "a"}\n{"key": 12, "prompt": "b"}\n')
+    assert pa.Table.from_batches(read_batches(Source(str(f), id_column="key")))["id"].to_pylist() == ["7", "12"]
+
+
+def test_rows_set_aside_keep_an_id_only_where_they_have_one_and_the_rows_after_them_are_read(tmp_path):
+    """dataset.bad_rows=skip (launcher/sources/rejected.py): a row that cannot be read (malformed JSON), a row with
+    an id that is no text or number, or none at all, stands in its place with a null id (the rejected file's `id`
+    is null where the row has none that could be read); the rows after a bad line or a blank one are read on."""
+    f = tmp_path / "s.jsonl"
+    lines = ['{"key": "a", "prompt": "p0"}', "{bad json", '{"key": [1], "prompt": null}', '{"prompt": "p3"}', ""]
+    f.write_text("\n".join([*lines, '{"key": "e", "prompt": "p5"}']) + "\n")
+    t = pa.Table.from_batches(read_batches(Source(str(f), id_column="key", bad_rows="skip")))
+    assert t["id"].to_pylist() == ["a", None, None, None, "e"]
+    where = [json.loads(m)["where"] if m else None for m in t["rejected"].to_pylist()]
+    assert where == [None, f"dataset {f}, line 2", f"dataset {f}, line 3", f"dataset {f}, line 4", None]
+
+
+def test_a_grown_file_is_read_from_its_old_end_with_its_lines_numbered_on(tmp_path):
+    """A text source that only grew is read from its old end (a line end; launcher/ids/idplan.py): a U+FEFF there
+    is text, not a byte-order mark (the exact reader keeps it too); lines are numbered on from the old part, one
+    byte of it too; a CSV's new rows are all read, under the file's header."""
+    from launcher.sources.prompts import file_batches
+    from launcher.sources.prompts_raw import raw_rows
+
+    f = tmp_path / "g.txt"
+    f.write_bytes(b"old\n" + "\ufeffnew\n".encode())
+    got = [b.column("prompt").to_pylist() for _, _, b in file_batches(Source(str(f)), [str(f)], 1, 4)]
+    assert got == [["\ufeffnew"]]
+    for old in (b"\n", b"\r"):  # one line before the new part either way
+        j = tmp_path / "g.jsonl"
+        j.write_bytes(old + b"{bad\n")
+        assert [w for w, _ in raw_rows(str(j), "prompt", None, 1)] == [f"dataset {j}, line 2"], old
+    c = tmp_path / "g.csv"
+    c.write_text("prompt\na\nb\nc\n")
+    assert list(raw_rows(str(c), "prompt", None, len("prompt\na\n"))) == [
+        (f"dataset {c}, line 3", {"prompt": "b"}), (f"dataset {c}, line 4", {"prompt": "c"})]  # fmt: skip
+
+
+def test_a_parquet_column_the_source_does_not_use_is_not_read_row_by_row(tmp_path):
+    """The exact reader reads a Parquet file's prompt, id and setting columns only: a column it does not use
+    (images, embeddings, notes) is neither held nor checked, so text in it that is not UTF-8 fails no row."""
+    notes = pa.array([b"fine", b"\xff not text"], pa.binary()).view(pa.string())
+    p = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "seed": [1.0, 2.0], "note": notes}), p)  # float seeds: exact
+    t = pa.Table.from_batches(read_batches(Source(str(p))))
+    assert t["prompt"].to_pylist() == ["a", "b"] and t["seed"].to_pylist() == [1, 2]
+
+
+def test_reference_images_are_checked_against_the_familys_pixels_and_the_size_bounds(tmp_path, monkeypatch):
+    """launcher/sources/reference_checks.py: a reference over the family's pixels is refused as such (not decoded:
+    a truncated one says so too); one at the limit is decoded, so a truncated one is refused as cut short; a file
+    is hashed whole and read from its start; a file over MAX_BYTES (monkeypatched to 2 MiB) is refused by its
+    size, one of exactly MAX_BYTES is read; the output size a row leaves to the config is the config's."""
+    import hashlib
+    import io
+
+    from launcher.sources import reference_checks
+    from launcher.sources.prompts import SizeRule
+    from launcher.sources.reference_checks import check_image, check_output_size, hash_file
+    from launcher.sources.references import plan_row
+
+    cut = _png(128, noise=True)
+    cut = cut[: len(cut) // 2]
+    with pytest.raises(ConfigError) as e:
+        check_image(io.BytesIO(cut), "row 0", "#0", 64 * 64, len(cut))
+    assert str(e.value) == (
+        "row 0: reference #0 is 128x128 (0.0 megapixels), more than the 0.0 this model family takes; downscale it"
+    )
+    with pytest.raises(ConfigError, match=r"^row 0: reference #0 is damaged or cut short \("):
+        check_image(io.BytesIO(cut), "row 0", "#0", 128 * 128, len(cut))
+    src = Source("x.parquet", image_column="image", sizes=SizeRule(16, 64 * 64, 64, 64, 1))
+    with pytest.raises(ConfigError, match=r"reference #0 is 128x128 .* more than the 0\.0 this model family takes"):
+        plan_row("row 0", "x.parquet", 0, {"bytes": _png(128), "path": None}, ".", src)
+    png = tmp_path / "r.png"
+    png.write_bytes(_png())
+    assert hash_file(str(png), "row 0", 1 << 22) == (hashlib.sha256(png.read_bytes()).hexdigest(), (64, 64))
+    monkeypatch.setattr(reference_checks, "MAX_BYTES", 2 << 20)
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\0" * (2 << 20))
+    with pytest.raises(ConfigError, match=f"^row 0: reference {big} is not an image "):
+        hash_file(str(big), "row 0", 1 << 22)
+    big.write_bytes(b"\0" * ((2 << 20) + 1))
+    with pytest.raises(ConfigError) as e:
+        hash_file(str(big), "row 0", 1 << 22)
+    assert str(e.value) == (
+        f"row 0: reference {big} is larger than 2 MiB, more than an image within this family's 4.0 megapixels "
+        "needs; use a smaller file"
+    )
+    with pytest.raises(ConfigError) as e:
+        hash_file(str(tmp_path), "row 0", 1 << 22)  # a folder
+    assert str(e.value).startswith(f"row 0: reference {tmp_path} cannot be read (")
+    assert str(e.value).endswith("); fix the path or its permissions")
+    check_output_size("row 0", None, None, SizeRule(16, 1 << 22, 1024, 1024))  # 1024x1024: within 8:1
+
+
+def test_a_reference_is_read_back_from_its_lineage_in_a_file_whose_name_holds_the_marker(tmp_path):
+    """A stored reference's lineage is `<source file>#row=N[&ref=K]`: the marker is the last one in it."""
+    from launcher.sources.reference_reads import read_lineage
+
+    f = tmp_path / "x#row=9.parquet"
+    image = [{"bytes": b"one", "path": None}, {"bytes": b"two", "path": None}]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "image": image}), f)
+    assert read_lineage(f"{f}#row=1") == b"two"
+
+
+def test_a_json_lines_reference_column_holds_a_list_or_nothing(tmp_path):
+    from launcher.sources.references import column_rows
+
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"prompt": "a", "image": ["r1.png", "r2.png"]}\n{"prompt": "b", "image": null}\n')
+    assert [v for _, _, v in column_rows(str(f), "image")] == [["r1.png", "r2.png"], None]
+
+
+def test_a_source_whose_rows_were_all_set_aside_names_the_file_of_the_first(tmp_path):
+    from launcher.sources.rejected import refuse_all
+
+    rows = [{"file": f"{tmp_path}/b.jsonl", "line": 3, "reason": "the prompt is missing"}]
+    with pytest.raises(ConfigError) as e:
+        refuse_all(f"{tmp_path}/*.jsonl", rows)
+    assert str(e.value) == (
+        f"dataset {tmp_path}/*.jsonl: every row was set aside (dataset.bad_rows=skip), e.g. {tmp_path}/b.jsonl, "
+        "line 3: the prompt is missing"
+    )
+
+
+def test_the_rejected_rows_file_has_its_schema_whatever_its_rows_lack(tmp_path):
+    """rejected/<run id>.parquet: its columns keep their types (FILE_SCHEMA) where every row leaves one empty, as a
+    row that could not be read leaves its file, line and id."""
+    from launcher.ledger.store import Store
+    from launcher.sources.rejected import FILE_SCHEMA, write
+
+    rows = [{"file": None, "line": None, "position": 4, "shard": 0, "id": None, "reason": "unreadable"}]
+    write(Store(str(tmp_path)), "r1", rows)
+    assert pq.read_schema(tmp_path / "rejected" / "r1.parquet").remove_metadata().equals(FILE_SCHEMA)
+
+
+def test_a_relative_glob_names_its_files_as_python_glob_does(tmp_path, monkeypatch):
+    """`./d/*.txt` names `./d/a.txt`, as glob.glob does; `d/*.txt` names `d/a.txt`. The names are those of the
+    source's files in every error, in the rejected rows' file and in a reference's lineage."""
+    import glob
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("a cat\n")
+    monkeypatch.chdir(tmp_path)
+    for pattern in ("./d/*.txt", "d/*.txt"):
+        assert source_files(pattern) == glob.glob(pattern), pattern
+
+
+def test_the_fast_reader_gives_up_on_a_batch_of_text_past_32_bit_string_offsets(monkeypatch):
+    """prompts_fast._strings builds a string array, whose offsets are int32: a batch of prompts over 2 GiB in all
+    would wrap them, so it goes to the exact reader. The bound is numpy's int32 max, stood in for by 12 here (a
+    2 GiB batch takes too long to build): 12 bytes in all fit, 13 do not, whichever string holds them."""
+    import types
+
+    import numpy as np
+
+    from launcher.sources import prompts_fast
+    from launcher.sources.prompts import _GiveUp
+
+    small = types.SimpleNamespace(max=12)
+    fake = types.SimpleNamespace(zeros=np.zeros, cumsum=np.cumsum, int64=np.int64, int32=np.int32)
+    fake.iinfo = lambda t: small if t is np.int32 else np.iinfo(t)
+    monkeypatch.setattr(prompts_fast, "np", fake)
+    assert prompts_fast._strings(["abcd", "efghijkl"]).to_pylist() == ["abcd", "efghijkl"]
+    with pytest.raises(_GiveUp):
+        prompts_fast._strings(["abcd", "efghijklm"])
