@@ -146,7 +146,9 @@ def lora_bytes(cfg) -> int:
 
 def usable_gib(chip: Chip, procs_per_host: int) -> float:
     total = chip.memory_gib * (1 - RESERVE)
-    return total / procs_per_host if chip.name == "cpu" else total  # on cpu all processes share the host's RAM
+    # On cpu all processes share the host's RAM. Fewer processes than hosts (dp * tp < mesh.nodes: 0 a host) are
+    # refused by check_mesh, after the plan: taken as one here, not a ZeroDivisionError first.
+    return total / max(1, procs_per_host) if chip.name == "cpu" else total
 
 
 def _on_chip(cfg, per_rank: dict[str, int]) -> int:
