@@ -514,9 +514,8 @@ def test_an_object_store_lock_says_why_it_cannot_be_taken_and_who_won_a_takeover
 def test_releasing_an_object_store_lock_waits_for_a_beat_under_way_but_not_for_a_hung_one(tmp_path, monkeypatch):
     """lock.py release: a heartbeat write under way would put the lock back after release removed it (the next run
     would wait STALE_S for it), so release waits for it, up to two beats; a beat that hangs is not waited for
-    past that."""
+    past that. Events, not sleeps: the beat's write is held until release starts waiting for it."""
     import threading
-    import time
 
     from launcher.ledger import lock as lock_mod
 
@@ -530,26 +529,37 @@ def test_releasing_an_object_store_lock_waits_for_a_beat_under_way_but_not_for_a
                 gate.wait(10)
             super().write_bytes(rel, data)
 
+    class Waited:  # the heartbeat thread, as release waits for it: the wait asked for is recorded
+        def __init__(self, thread, opens: bool):
+            self.thread, self.opens, self.timeouts = thread, opens, []
+
+        def join(self, timeout=None):
+            self.timeouts.append(timeout)
+            if self.opens:
+                gate.set()  # the beat's write goes on only once release waits for it
+            self.thread.join(timeout)
+
     store = Slow(tmp_path)
     lock = lock_mod.RunLock(store, 0, "r")
     lock.acquire()
     assert entered.wait(5)  # a beat is under way
-    threading.Timer(0.1, gate.set).start()
+    beat = lock._beating = Waited(lock._beating, opens=True)
     lock.release()
-    assert lock._beating is not None
-    lock._beating.join(5)
+    gate.set()
+    beat.thread.join(5)
     assert store.read_bytes("locks/worker-00000.json") is None  # the beat's write came before the removal
+    assert beat.timeouts == [1.0]  # two beats
 
     entered.clear(), gate.clear()
     hung = lock_mod.RunLock(store, 1, "h")
     hung.acquire()
     try:
         assert entered.wait(5)
-        start = time.monotonic()
+        beat = hung._beating = Waited(hung._beating, opens=False)
         ending = threading.Thread(target=hung.release, daemon=True)
         ending.start()
         ending.join(5)
-        assert not ending.is_alive() and time.monotonic() - start < 1.3  # two beats (1 s), not the hung write's 10
+        assert not ending.is_alive() and beat.timeouts == [1.0]  # two beats, not the hung write's 10 s
     finally:
         gate.set()
 
