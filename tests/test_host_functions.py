@@ -2320,3 +2320,322 @@ def test_the_largest_part_counts_where_the_parts_take_turns_also_when_it_is_the_
     for execution, weights in (({"offload": "none", "staged": True}, 10 + 1), ({"offload": "model"}, 10)):
         cfg = OmegaConf.create({"generate": {"batch_size": 1, "height": 1024, "width": 1024}, "execution": execution})
         assert need_gib(cfg, per_rank) == weights + 2.0  # + 2 GiB per megapixel of a batch
+
+
+# host room, part launch: the books of a run that has shards to do (launcher/host/launch.py's keep_books and
+# generate), in this process, with a stand-in for the workers (run_hosts) that acts as they would.
+
+
+def prom_samples(path: Path) -> dict[str, str]:
+    """A Prometheus textfile's samples by name, labels left off (each metric here has one sample)."""
+    if not path.exists():
+        return {}
+    return {ln.split("{")[0]: ln.rsplit(" ", 1)[1] for ln in path.read_text().splitlines() if not ln.startswith("#")}
+
+
+JOB_FILE = (
+    "defaults:\n  - schema\n  - model: tiny_flux2\n  - mesh: cpu_tp2\n  - _self_\n"
+    "device: cpu\ngenerate:\n  height: 64\n  width: 64\n  num_inference_steps: 2\n  max_sequence_length: 256\n"
+    "  batch_size: 2\n  images_per_prompt: 2\n  sweep:\n    guidance_scale: [2.5, 4.0]\nrun:\n  shard_size: 8\n"
+)
+
+
+def test_a_run_with_shards_to_do_hands_the_workers_its_plan_run_id_and_logs_and_its_books_follow_them(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """A job file (relative to the working folder) of 3 prompts, 2 images each, swept over 2 guidance scales: one
+    shard of 12 samples. Before the workers start, the space check is asked about those 12 samples, the run's plan
+    (DESIGN: plans/<run id>.arrow) holds the shard's rows, MESHGEN_RUN_ID is the run's id, the workers' logs go to
+    logs/<run id>/, and the workers get this host's torchrun command with the job file's absolute path (they may
+    start in another folder). While they run, output.metrics follows the shards they finish; after, the plan is
+    gone, the run is exit 0 with its record, and run.stale=keep with nothing stale warns of nothing. The launcher's
+    lines read `[launcher]` (docs/guide.md) at INFO, whatever RANK a scheduler set (Kubeflow's PyTorchJob sets one a
+    pod): RANK is its workers'."""
+    import pyarrow as pa
+
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")  # no workers' server forked for a stand-in
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text(JOB_FILE)
+    prompts, out, prom = tmp_path / "p.txt", tmp_path / "out", tmp_path / "textfile" / "meshgen.prom"
+    prompts.write_text("a\nb\nc\n")
+    warned, seen = [], {}
+    real_warn = launch.warn_if_short
+
+    def warn_if_short(cfg, store, images):
+        warned.append((str(store), images))
+        real_warn(cfg, store, images)
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            table = pa.ipc.open_file(f).read_all()
+        fingerprint = json.loads(table.schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        seen.update(run_id=run_id, dir=cfg.output.dir, args=plan_.torchrun_args, log=logs.rank_log(0))
+        seen["prompts"] = table.column("prompt").to_pylist()
+        (out / "state").mkdir(exist_ok=True)  # a worker's state for its finished shard
+        done = {"status": "done", "rows": 12, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        until(lambda: prom_samples(prom).get("meshgen_shards_done") == "1", timeout_s=15)  # the bar's look: 1 s
+        return 0
+
+    monkeypatch.setattr(launch, "warn_if_short", warn_if_short)
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    args = [f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}", f"output.metrics={prom}"]
+    args.append("run.stale=keep")
+    assert launcher_main(["conf=job.yaml", *args]) == 0, capsys.readouterr().err[-2000:]
+    run_id = seen["run_id"]
+    assert warned == [(str(out), 12)]
+    assert seen["prompts"] == ["a", "b", "c"] and seen["dir"] == str(out)
+    assert seen["log"] == f"{out}/logs/{run_id}/rank-0.log"
+    assert seen["args"][-len(args) - 2 :] == ["launcher.worker.main", f"conf={tmp_path / 'job.yaml'}", *args]
+    assert not (out / "plans" / f"{run_id}.arrow").exists()
+    record = json.loads((out / "runs" / f"{run_id}.json").read_text())
+    assert record["exit_code"] == 0
+    assert prom_samples(prom)["meshgen_samples_planned"] == "12" and prom_samples(prom)["meshgen_samples_done"] == "12"
+    assert f'output="{out}",run_id="{run_id}"' in prom.read_text()
+    err = capsys.readouterr().err
+    assert "keeping shards" not in err
+    assert any(
+        ln.startswith("[launcher] ") and "INFO launcher.host.launch: generating 1 shards" in ln
+        for ln in err.splitlines()
+    )
+
+
+@pytest.mark.parametrize("refused", ["run.json", "plan", None])
+def test_a_bookkeeping_write_the_full_output_refuses_starts_no_worker_and_the_last_line_says_so(
+    refused, launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """DESIGN: a full output stops the run cleanly (exit 3) and its last line says what stopped it and how to
+    finish. A write of the launcher's own books refused for want of room (run.json, or the run's plan) starts no
+    worker, whatever later writes succeed (the kept stale shard's mark here); workers that fail on an output with
+    room are exit 3 without that line. Conf tiny: shards 0 and 2 to do, shard 1 done but stale, kept. A run with
+    nothing selected and nothing held says there is nothing to do; one with shards to do never does."""
+    import errno
+
+    import launcher.ledger.runs
+    import launcher.plan.plan
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    out = tmp_path / "out"
+    base = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}"]
+    assert launcher_main([*base, "run.shards=failed"]) == 0, capsys.readouterr().err[-2000:]
+    (out / "state").mkdir()
+    done = {"status": "done", "rows": 8, "prompts_fingerprint": "of-other-prompts", "files": {}}
+    (out / "state" / "shard-00001.json").write_text(json.dumps(done))
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if refused == "run.json":
+        monkeypatch.setattr(launcher.ledger.runs, "write_run_json", full)
+    elif refused == "plan":
+        monkeypatch.setattr(launcher.plan.plan, "write_plan_file", full)
+    started = []
+    monkeypatch.setattr(launch, "run_hosts", lambda cfg, plan_, logs=None: started.append(1) or 3)
+    assert "INFO launcher.host.launch: nothing to do: every selected shard of" in capsys.readouterr().err
+    assert launcher_main([*base, "run.stale=keep"]) == 3
+    said = capsys.readouterr()
+    last = said.err.strip().splitlines()[-1]
+    assert len(json.loads((out / "state" / "shard-00001.json").read_text())) == len(done) + 1  # kept: marked
+    if refused is None:
+        assert started == [1] and "out of space" not in said.err + said.out
+        return
+    assert started == [] and "error" not in said.out and "nothing to do" not in said.err  # 2 shards are to do
+    assert last.startswith(f"error: {out} is out of space (") and last.endswith(
+        " free); free some space and run the same command again to finish"
+    )
+
+
+def test_cfg_job_with_its_value_after_an_equals_sign_leaves_the_next_argument():
+    """`--cfg=job` is one argument: the override after it stays (a gap would drop it as the value)."""
+    from launcher.host.launch import _take_cfg_flag
+
+    argv = ["--cfg=job", "conf=tiny", "x=1"]
+    assert _take_cfg_flag(argv) is True and argv == ["conf=tiny", "x=1"]
+
+
+def test_the_rerun_command_makes_absolute_a_path_whose_folder_names_hold_an_equals_sign():
+    """A Hive-style folder (`date=2024-05-01`) in a path: the key is what comes before the first `=`."""
+    from launcher.config import REPO_ROOT
+    from launcher.host.launch import rerun_command
+
+    cfg = launch_cfg()
+    cfg.output.dir = "/data/date=2024-05-01"
+    assert rerun_command(cfg, "tiny", ["output.dir=date=2024-05-01"]) == [
+        str(REPO_ROOT / "launch.sh"),
+        "conf=tiny",
+        "output.dir=/data/date=2024-05-01",
+    ]
+
+
+def test_the_tpu_launch_env_names_two_hosts_and_refuses_a_torch_tpu_without_its_setter(monkeypatch):
+    """TorchTPU's set_tpu_launch_env takes nnodes=None on one host only: two hosts are nnodes=2. A torch.tpu.distributed
+    without set_tpu_launch_env is a torch_tpu older than 0.2.0: the upgrade line, not an AttributeError."""
+    import sys
+    import types
+
+    import torch
+
+    from launcher.host.launch import set_tpu_launch_env
+
+    calls = []
+    setter = types.SimpleNamespace(set_tpu_launch_env=lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(distributed=setter), raising=False)
+    set_tpu_launch_env(2, 8)
+    assert calls == [{"nnodes": 2, "nproc_per_node": 8}]
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(distributed=types.SimpleNamespace()))
+    old = "torch_tpu._internal.distributed.launchers"
+    for name in ("torch_tpu", "torch_tpu._internal", "torch_tpu._internal.distributed", old):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[old].singlehost_wrapper = object()  # ty: ignore[unresolved-attribute]
+    with pytest.raises(ConfigError, match=r"^torch_tpu is older than 0\.2\.0 "):
+        set_tpu_launch_env(1, 8)
+
+
+def test_the_launcher_reads_its_arguments_after_the_programs_name(launcher_main, capsys, monkeypatch):
+    """launch.sh execs `python -m launcher.host.launch "$@"`: main() with no list reads sys.argv[1:]."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["launch.py", "--cfg", "job", "conf=tiny", "generate.seed=7"])
+    assert launcher_main() == 0, capsys.readouterr().err[-2000:]
+    assert OmegaConf.create(capsys.readouterr().out).generate.seed == 7
+
+
+def test_a_tpu_launch_sets_torchtpus_launch_env_with_this_hosts_processes_before_the_workers(
+    launcher_main, capsys, monkeypatch, tmp_path
+):
+    """DESIGN: on TPU the launcher sets TorchTPU's launch env once, before any worker starts; a job of 2 hosts of
+    dp=2 x tp=8 runs 8 processes a host (an int: TorchTPU writes it into the workers' environment). The checks of
+    a real TPU host are those of a dry run here (no TPU on this host); the run itself is stood in for."""
+    from conftest import REPO
+
+    import launcher.checks.preflight
+    from launcher.host import launch
+
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    real = launcher.checks.preflight.preflight
+    monkeypatch.setattr(launcher.checks.preflight, "preflight", lambda cfg, dry_run: real(cfg, True))
+    order = []
+    monkeypatch.setattr(launch, "set_tpu_launch_env", lambda nnodes, nproc: order.append(("env", nnodes, nproc)))
+    monkeypatch.setattr(launch, "supervise", lambda pf, conf, overrides, plan_: order.append(("run", pf.device)) or 0)
+    prompts = f"dataset.path={REPO / 'conf' / 'prompts' / 'tiny.txt'}"
+    args = ["conf=flux2_tp", prompts, "mesh.nodes=2", "mesh.dp=2", "mesh.tp=8", f"output.dir={tmp_path}"]
+    assert launcher_main(args) == 0, capsys.readouterr().err[-2000:]
+    assert order == [("env", 2, 8), ("run", "tpu")] and type(order[0][2]) is int
+
+
+def test_the_workers_outcome_is_the_launchs_exit_code_and_the_failed_rank_is_named_with_its_log(monkeypatch, caplog):
+    """launch.py's words: torchrun's elastic launch in this process, given this host's torchrun command, the
+    workers' log files and how they start, with LAUNCHER_PID_ENV naming this process while they run (and only
+    then); the first failed worker's exit code is the run's, a worker killed by signal N is 128 + N, as is a
+    signal that stops the launcher; the failed rank is named with its log file where the workers log to files.
+    A job of one host starts no hosts' watch. torch's launch is stood in for (terminal.launch_workers)."""
+    import signal
+    import socket
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launcher.errors import LAUNCHER_PID_ENV
+    from launcher.host import launch, terminal
+
+    # One host serves no hosts' store (peers.py): MASTER_PORT may be another program's, as it is here.
+    held = socket.socket()
+    held.bind(("", 0))
+    held.listen()
+    monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+    seen, outcome = [], []
+
+    def launch_workers(args, logs, start):
+        seen.append((args.nproc_per_node, args.training_script, args.training_script_args, logs, start))
+        seen.append(os.environ.get(LAUNCHER_PID_ENV))
+        if outcome:
+            raise outcome.pop()
+
+    monkeypatch.setattr(terminal, "launch_workers", launch_workers)
+    cfg = launch_cfg(dp=1, tp=2)
+    plan_ = launch.launch_plan(cfg, "tiny", ["x=1"], "cuda")
+    plan_.start = "forkserver"
+    logs = NS(rank_log=lambda rank: f"/out/logs/run-1/rank-{rank}.log")
+    assert launch.run_hosts(cfg, plan_, logs) == 0
+    assert seen == [("2", "launcher.worker.main", ["conf=tiny", "x=1"], logs, "forkserver"), str(os.getpid())]
+    assert LAUNCHER_PID_ENV not in os.environ
+    for exitcode, expected in ((2, 2), (1, 1), (-signal.SIGKILL, 128 + signal.SIGKILL)):
+        outcome.append(ChildFailedError("launcher.worker.main", {3: ProcessFailure(1, 4321, exitcode, "/nowhere")}))
+        caplog.clear()
+        assert launch.run_hosts(cfg, plan_, logs) == expected
+        assert f"rank 3 failed first, exit code {exitcode}; its log: /out/logs/run-1/rank-3.log" in caplog.text
+        assert LAUNCHER_PID_ENV not in os.environ
+    outcome.append(ChildFailedError("launcher.worker.main", {0: ProcessFailure(0, 4321, 3, "/nowhere")}))
+    caplog.clear()
+    assert launch.run_hosts(cfg, plan_) == 3  # the workers' output on the terminal: no log file to name
+    assert caplog.records[-1].getMessage() == "rank 0 failed first, exit code 3"
+    outcome.append(SignalException("stopped", signal.SIGTERM))
+    assert launch.run_hosts(cfg, plan_, logs) == 128 + signal.SIGTERM
+    assert LAUNCHER_PID_ENV not in os.environ
+    held.close()
+
+
+@pytest.mark.parametrize("workers_code", [0, 130])
+def test_a_failed_push_is_the_runs_error_line_and_exit_3_unless_a_signal_stopped_it(
+    workers_code, launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """output.publish (launcher/publish/run.py): each done shard is offered to the push as the run sees it finish;
+    the push is finished after the books, and a push that failed is `error: <why>` on stderr and exit 3 (the
+    shards are done, the dataset is not where it should be), while a signal's code (130: SIGINT) stays. The
+    publisher and the workers are stood in for."""
+    import launcher.publish.run
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("a\nb\nc\n")
+    offered, finished = [], []
+    publisher = type("Publisher", (), {"offer": offered.append, "finish": lambda self: finished.append(1) or "no"})
+    monkeypatch.setattr(launcher.publish.run, "start_publisher", lambda cfg, store: publisher())
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        (out / "state").mkdir(exist_ok=True)
+        import pyarrow as pa
+
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            fingerprint = json.loads(pa.ipc.open_file(f).schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        done = {"status": "done", "rows": 3, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        return workers_code
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
+    assert launcher_main(args) == (3 if workers_code == 0 else workers_code)
+    said = capsys.readouterr()
+    assert said.err.strip().splitlines()[-1] == "error: no" and "error" not in said.out
+    assert [0] in offered and finished == [1]
+    [record] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert record["exit_code"] == workers_code  # the shard is done: only the push failed
+
+
+def test_the_dry_runs_images_count_every_variant_of_a_sweep(monkeypatch):
+    """DESIGN: a sweep makes each prompt's images once per variant: 10 prompts x 3 images x 2 guidance scales."""
+    from types import SimpleNamespace as NS
+
+    from launcher.host.launch import dry_run_lines
+    from launcher.sizing import cost
+
+    monkeypatch.setattr(cost, "cost_lines", lambda pf: [])
+    gen = {"images_per_prompt": 3, "sweep": {"guidance_scale": [2.5, 4.0]}}
+    cfg = OmegaConf.create(
+        {"device": "cpu", "mesh": {"nodes": 1}, "workers": {"index": 0, "count": 1}, "generate": gen}
+    )
+    plan = NS(selected=[0], shards=[NS(status="pending")], held=[], rejected=[], prompts=lambda sel: 10 * len(sel))
+    mesh = NS(chip=NS(name="cpu"), line=lambda: "# mesh: dp=1 tp=1", why=[])
+    lines = dry_run_lines(NS(cfg=cfg, plan=plan, device="cpu", mesh=mesh, notes=[]))
+    assert "# plan: 1 of 1 shards to generate (10 prompts, 60 images); 0 done, 0 failed, 0 stale" in lines
