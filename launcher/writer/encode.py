@@ -88,8 +88,3 @@ def encode(pixels: np.ndarray, enc: Encoding, library: str | None = None) -> byt
         quality = 0 if enc.lossless else enc.quality
         image.save(buf, format="WEBP", quality=quality, lossless=enc.lossless, method=enc.webp_method)
     return buf.getvalue()
-
-
-def warm_up(enc: Encoding) -> None:
-    """Import the encoder's library now (a first call pays it), not during the first shard."""
-    encode(np.zeros((8, 8, 3), np.uint8), enc)
