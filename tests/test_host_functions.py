@@ -2639,3 +2639,148 @@ def test_the_dry_runs_images_count_every_variant_of_a_sweep(monkeypatch):
     mesh = NS(chip=NS(name="cpu"), line=lambda: "# mesh: dp=1 tp=1", why=[])
     lines = dry_run_lines(NS(cfg=cfg, plan=plan, device="cpu", mesh=mesh, notes=[]))
     assert "# plan: 1 of 1 shards to generate (10 prompts, 60 images); 0 done, 0 failed, 0 stale" in lines
+
+
+# host room, part launch (second): which host keeps the books and when the workers' server is forked early
+# (launcher/host/launch.py's supervise); the books of a run with rows set aside or stale shards kept (keep_books,
+# generate). The books, the workers or the hosts' agreement are stood in for.
+
+
+@pytest.mark.parametrize(
+    "nodes, node_rank, overwrite, selected, remote, books, start",
+    [
+        (1, None, False, [0], False, True, "forkserver"),  # shards to do: the server is forked before the books
+        (1, None, False, [], False, True, "subprocess"),  # nothing to do: no server to fork
+        (1, None, True, [], False, True, "forkserver"),  # run.overwrite replans, and will run workers
+        (1, None, False, [0], True, True, "subprocess"),  # an object store's client is open: a fresh interpreter
+        (2, "0", False, [0], False, True, "forkserver"),  # the first host keeps the books
+        (2, "1", False, [], False, False, "forkserver"),  # any other host runs its workers, whatever its plan says
+        (2, None, False, [0], False, True, "forkserver"),  # no NODE_RANK: torch's default rank 0, as the preflight's
+    ],
+)
+def test_the_first_host_keeps_the_books_and_the_workers_server_is_forked_only_where_workers_will_run(
+    nodes, node_rank, overwrite, selected, remote, books, start, monkeypatch
+):
+    """launch.py: on a job over several hosts the first host's launcher (NODE_RANK 0, or none set, as the preflight
+    and the hosts' agreement read it; a job of one host is its own first) keeps the books, the others only run their
+    workers. The workers' server is forked early only where
+    workers will run (a host other than the first always runs its share; the first where run.overwrite replans or
+    the plan selects shards) and only where this process has opened no object store's client (a fork would copy
+    its half-alive threads): else "subprocess", where nothing is forked early."""
+    import contextlib
+    from types import SimpleNamespace as NS
+
+    import launcher.host.agreement
+    import launcher.host.worker_start
+    import launcher.ledger.store
+    from launcher.host import launch
+
+    if node_rank is None:
+        monkeypatch.delenv("NODE_RANK", raising=False)
+    else:
+        monkeypatch.setenv("NODE_RANK", node_rank)
+    monkeypatch.setitem(launcher.ledger.store._OPENED, "remote", remote)
+    seen = []
+
+    @contextlib.contextmanager
+    def forked_early(how):
+        seen.append(("server", how))
+        yield
+
+    @contextlib.contextmanager
+    def agree(cfg):
+        seen.append(("agree", cfg.mesh.nodes))
+        yield
+
+    monkeypatch.setattr(launcher.host.worker_start, "server_forked_early", forked_early)
+    monkeypatch.setattr(launcher.host.agreement, "hosts_agree", agree)
+    monkeypatch.setattr(launch, "keep_books", lambda pf, conf, overrides, plan_: seen.append(("books", conf)) or 5)
+    monkeypatch.setattr(
+        launch, "run_hosts", lambda cfg, plan_, logs=None: seen.append(("workers", cfg.mesh.nodes)) or 6
+    )
+    cfg = launch_cfg(nodes=nodes)
+    cfg.run = {"overwrite": overwrite}
+    pf = NS(cfg=cfg, plan=NS(selected=selected))
+    code = launch.supervise(pf, "tiny", [], launch.LaunchPlan(start="forkserver"))
+    assert seen == [("server", start), ("agree", nodes), ("books", "tiny") if books else ("workers", nodes)]
+    assert code == (5 if books else 6)
+
+
+def test_a_row_set_aside_for_its_size_stays_aside_in_the_runs_plan_and_its_rejected_file_is_named_for_the_run(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """DESIGN, `dataset.bad_rows=skip`: a row of a size the model cannot make is set aside at planning, and the run
+    writes the rows it set aside to rejected/<run id>.parquet. The run's plan file (what the workers generate) is
+    written under the same size rule, so it holds the good rows only and the run does not stop as if its source had
+    changed; so is the plan that run.overwrite makes again. The workers are stood in for: each run marks its one
+    shard done, as they would."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")  # no workers' server forked for a stand-in
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    rows = [{"prompt": "a"}, {"prompt": "b", "height": 65}, {"prompt": "c"}]  # 65: no size factor divides it
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = []
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            table = pa.ipc.open_file(f).read_all()
+        fingerprint = json.loads(table.schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        runs.append((run_id, table.column("prompt").to_pylist()))
+        (out / "state").mkdir(exist_ok=True)
+        done = {"status": "done", "rows": 2, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        return 0
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    job = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={src}", "dataset.bad_rows=skip"]
+    assert launcher_main(job) == 0, capsys.readouterr().err[-2000:]
+    [(run_id, prompts)] = runs
+    assert prompts == ["a", "c"]
+    [rejected] = pq.read_table(out / "rejected" / f"{run_id}.parquet").to_pylist()
+    assert rejected["position"] == 1 and rejected["line"] == 2 and "height 65" in rejected["reason"]
+    assert launcher_main([*job, "run.overwrite=true"]) == 0, capsys.readouterr().err[-2000:]
+    assert len(runs) == 2 and runs[1][1] == ["a", "c"]
+
+
+def test_run_stale_keep_over_an_id_column_records_which_ids_changed_in_the_kept_shards_state(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """launcher/plan/stale.py: run.stale=keep marks each kept shard's state done for the new prompts and, with
+    dataset.id_column, names the ids whose rows changed (`kept_ids`: status, report and the card show them). A
+    shard of ids r0..r2 is generated (the workers stood in for: they mark it done), then r1's prompt changes."""
+    import pyarrow as pa
+
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(3)))
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            fingerprint = json.loads(pa.ipc.open_file(f).schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        (out / "state").mkdir(exist_ok=True)
+        done = {"status": "done", "rows": 3, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        return 0
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    job = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={src}", "dataset.id_column=id"]
+    assert launcher_main(job) == 0, capsys.readouterr().err[-2000:]
+    rows = [
+        {"id": "r0", "prompt": "prompt 0"},
+        {"id": "r1", "prompt": "another prompt"},
+        {"id": "r2", "prompt": "prompt 2"},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert launcher_main([*job, "run.stale=keep"]) == 0, capsys.readouterr().err[-2000:]
+    state = json.loads((out / "state" / "shard-00000.json").read_text())
+    assert state["status"] == "done" and state["kept_ids"] == ["r1"]
