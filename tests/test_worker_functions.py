@@ -1015,3 +1015,363 @@ def test_a_shard_made_again_stops_being_done_before_its_first_batch_is_written(t
     finally:
         writer.close()
     assert json.loads(state.read_text())["status"] == "done"
+
+
+# worker room, part run (second): launcher/worker/runner.py (run_worker among fakes, run_shard, the tp exchanges)
+
+
+class FakeWorld:
+    """torch.distributed as one rank of a dp x tp world sees it: control messages go over the gloo groups that
+    build_groups makes ("world", "tp"; launcher/worker/dist.py's Groups), never the default (accelerator) group.
+    A message this rank does not send is the next one `feed` holds for that group, as its sender would send it."""
+
+    def __init__(self, rank, size, tp_rank, feed):
+        self.rank, self.size, self.tp_rank, self.feed = rank, size, tp_rank, feed
+        self.destroyed = False
+
+    def get_rank(self):
+        return self.rank
+
+    def get_world_size(self, group=None):
+        return self.size
+
+    def broadcast_object_list(self, box, src=None, group=None, group_src=None):
+        assert group in ("world", "tp"), f"a control message over {group!r}"
+        sender = self.rank == (src or 0) if group == "world" else self.tp_rank == group_src
+        if not sender:
+            box[0] = self.feed[group].pop(0)
+
+    def all_gather_object(self, out, obj, group=None):
+        assert group == "world", f"a control message over {group!r}"
+        out[:] = [obj] * len(out)
+
+    def destroy_process_group(self):
+        self.destroyed = True
+
+
+class FakeWriter:
+    def __init__(self, store, output, n_enc, on_recorded, still_held, on_lost=None, failed=(), full_after=None):
+        self.n_enc = n_enc
+        self.failed, self.full_after, self.shards, self.closed = list(failed), full_after, [], False
+
+    @property
+    def out_of_space(self):
+        return self.full_after is not None and len(self.shards) >= self.full_after
+
+    def close(self):
+        self.closed = True
+
+
+def run_worker_in(monkeypatch, tmp_path, *, rank, dp, tp, overrides=(), outcomes=None, writer=None, feed=None):
+    """run_worker on one rank of a fake world: its model load, shards and writer faked, its claims and plan order
+    real. Returns (exit code, what it did): shards generated with the worker's run id and load time at each."""
+    from launcher.config import load_config
+    from launcher.worker import runner
+    from launcher.worker.dist import Groups
+
+    dp_rank, tp_rank = divmod(rank, tp)
+    world = FakeWorld(rank, dp * tp, tp_rank, feed or {})
+    cfg = load_config("tiny", [f"output.dir={tmp_path}", f"mesh.dp={dp}", f"mesh.tp={tp}", *overrides])
+    did = types.SimpleNamespace(calls=[], shards=[], writer=None)
+    record = did.calls.append
+
+    class Dims:
+        def __init__(self, *args):
+            record(("dims", args))
+
+        def build_mesh(self, device_type):
+            return "the mesh"
+
+    def shard(w, s):
+        did.shards.append((s.index, w.run_id, w.load_seconds))
+        if w.writer is not None:
+            w.writer.shards.append(s.index)
+        return (outcomes or {}).get(s.index, True)
+
+    def new_writer(*args):
+        did.writer = (writer or FakeWriter)(*args)
+        return did.writer
+
+    class Plan:
+        def __init__(self, store, rel):
+            self.selected = [0, 1, 2, 3]
+
+        def seen(self, i):
+            return None
+
+        def shard(self, i):
+            return types.SimpleNamespace(index=i)
+
+    device = torch.device("cpu")
+    monkeypatch.setattr(runner, "dist", world)
+    monkeypatch.setenv("MESHGEN_RUN_ID", "run-7")
+    monkeypatch.setattr(runner, "resolve_device", lambda d: "cpu")
+    monkeypatch.setattr(runner, "init_distributed", lambda kind, timeout: device)
+    monkeypatch.setattr(runner, "ParallelDims", Dims)
+    monkeypatch.setattr(runner, "build_groups", lambda mesh: Groups(mesh, dp_rank, tp_rank, tp, "tp", "world"))
+    monkeypatch.setattr(runner, "PlanFile", Plan)
+    monkeypatch.setattr(runner, "BackgroundWriter", new_writer)
+    monkeypatch.setattr(runner, "load_pipeline", lambda *a: record(("load", a)) or "the pipeline")
+    monkeypatch.setattr(runner, "StageTimer", lambda *a: record(("timer", a)) or "the timer")
+    monkeypatch.setattr(runner, "apply_cache", lambda *a: record(("cache", a)))
+    monkeypatch.setattr(runner, "apply_compile", lambda *a: record(("compile", a[:3])))
+    monkeypatch.setattr(runner, "load_scorer", lambda *a: record(("scorer", a)) or "the scorer")
+    monkeypatch.setattr(runner, "run_shard", shard)
+    monkeypatch.setattr(runner, "gc", types.SimpleNamespace(freeze=lambda: None))
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=Clock(100.0, 103.5).perf_counter))
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    code = runner.run_worker(cfg)
+    assert world.destroyed
+    return code, did, cfg
+
+
+@pytest.mark.parametrize("nodes, encoders", [(1, 4), (2, 8)])
+def test_a_dp_replica_claims_its_own_share_first_and_loads_once_on_the_run_id_rank_0_broadcast(
+    nodes, encoders, monkeypatch, tmp_path
+):
+    """A writer (tp rank 0) of dp replica 1 of 2: the run id is rank 0's, sent over the gloo world group; its shards
+    in the order launcher/plan/shards.py's preference gives slot 1 of 2 (its own, every second one from 1, then the
+    others); the pipeline loaded on the mesh once, the stage timer, step cache and compile given that pipeline, the
+    scorer on this rank's device; each claim names the worker and the run; the load time (3.5 s by the clock here)
+    counted in the first shard. The encoders take half the host's 16 cores, shared by the host's writers: 2 writers
+    (dp=2 on one host), 4 each; 1 writer (dp=2 over 2 hosts), 8 (a count: a process pool takes no float). With
+    run.on_error=abort and every shard done, the exit code is 0 after every shard."""
+    over = [f"mesh.nodes={nodes}", "run.on_error=abort"]
+    feed = {"world": ["run-7"]}
+    code, did, cfg = run_worker_in(monkeypatch, tmp_path, rank=1, dp=2, tp=1, overrides=over, feed=feed)
+    assert code == 0
+    assert [i for i, _, _ in did.shards] == [1, 3, 0, 2]
+    assert {r for _, r, _ in did.shards} == {"run-7"}
+    for i in range(4):  # what another run reads to tell whether the claim is live: this worker's index and run
+        claim = json.loads((tmp_path / "claims" / f"shard-{i:05d}" / "g00000.json").read_text())
+        assert (claim["worker"], claim["run_id"]) == (0, "run-7")
+    assert did.shards[0][2] == 3.5
+    assert did.calls == [
+        ("dims", (2, 1, 2)),
+        ("load", (cfg, torch.device("cpu"), "the mesh")),
+        ("timer", ("the pipeline", torch.device("cpu"))),
+        ("cache", ("the pipeline", cfg)),
+        ("compile", ("the pipeline", cfg, "cpu")),
+        ("scorer", (cfg, torch.device("cpu"))),
+    ]
+    assert did.writer.n_enc == encoders and type(did.writer.n_enc) is int and did.writer.closed
+
+
+def test_a_tp_peer_follows_its_writers_shards_and_ends_the_run_at_an_aborted_one(monkeypatch, tmp_path):
+    """A tp rank 1 of 2 neither reads the plan nor loads a scorer nor starts a writer: it generates the shards its
+    writer sends it; with run.on_error=abort, its failed shard ends its run with exit 3 (DESIGN: the run ended but
+    selected shards are not done), the next shard not begun."""
+    feed = {"world": ["run-7"], "tp": [types.SimpleNamespace(index=2), types.SimpleNamespace(index=0)]}
+    over = ["run.on_error=abort"]
+    code, did, _ = run_worker_in(
+        monkeypatch, tmp_path, rank=1, dp=1, tp=2, overrides=over, outcomes={2: False}, feed=feed
+    )
+    assert code == 3 and did.shards == [(2, "run-7", 3.5)] and did.writer is None
+    assert [c for c, *_ in did.calls] == ["dims", "load", "timer", "cache", "compile"]
+
+
+@pytest.mark.parametrize("on_error, code", [("continue", 0), ("abort", 3)])
+def test_a_shard_the_writer_failed_ends_the_run_with_3_only_under_abort(on_error, code, monkeypatch, tmp_path):
+    """Every shard generated, but the writer failed one: under abort the worker exits 3; under continue it exits 0
+    (a worker's nonzero exit is a crash to torchrun; the launcher counts failed shards from the ledger, DESIGN)."""
+    writer = lambda *a: FakeWriter(*a, failed=[0])  # noqa: E731
+    got, did, _ = run_worker_in(
+        monkeypatch, tmp_path, rank=0, dp=1, tp=1, overrides=[f"run.on_error={on_error}"], writer=writer
+    )
+    assert got == code and len(did.shards) == 4 and did.writer.closed
+
+
+def test_a_full_output_stops_the_worker_after_its_shard_and_still_closes_its_writer(monkeypatch, tmp_path):
+    writer = lambda *a: FakeWriter(*a, full_after=1)  # noqa: E731
+    code, did, _ = run_worker_in(monkeypatch, tmp_path, rank=0, dp=1, tp=1, writer=writer)
+    assert code == 0 and [i for i, _, _ in did.shards] == [0] and did.writer.closed
+
+
+class StageClock:
+    """A shard's stage timer: each take() hands over the stage times since the last (none here but `denoise`)."""
+
+    def __init__(self):
+        self.added = []
+
+    def take(self):
+        return {"denoise": 1.5}
+
+    def add(self, stages):
+        self.added.append(stages)
+
+
+def test_a_compiled_shard_counts_each_shapes_warm_up_apart_rounded_like_every_time_in_its_state(monkeypatch, tmp_path):
+    """execution.mode=compile: the first batch of a shape runs a warm-up of WARMUP_STEPS (2) first, the next of the
+    same shape none, a step of no batch (staged's encode) none; the warm-up's seconds are the state's `warmup`
+    stage and left out of its `seconds`; `compiles` counts this shard's compiles only (5 came before it). Times are
+    rounded as the stage times are, to 0.1 ms, images per second to 3 decimals. The scorer's columns are on every
+    sample the writer gets."""
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    w, _ = shard_worker(monkeypatch, tmp_path, overrides=["execution.mode=compile", "generate.images_per_prompt=1"])
+    w.timer, w.compile_stats.compiles, calls = StageClock(), 5, []
+    w.writer.add = lambda index, name, samples: (
+        w.writer.added.append((index, name, [dict(s) for s in samples])) or 0.0123456
+    )
+    w.scorer = types.SimpleNamespace(add_columns=lambda samples: [s.update({"quality.score": 0.5}) for s in samples])
+
+    def steps(pipe, batches, cfg, job, set_lora_scales=None):
+        for b in batches:
+
+            def step(b=b, **kw):
+                calls.append((b.image_ids()[0], kw))
+                w.compile_stats.compiles += 1
+                return [{"id": sid, "prompt": "p", "pixels": np.zeros((2, 2, 3), np.uint8)} for sid in b.image_ids()]
+
+            yield b, step
+        yield None, lambda **kw: calls.append((None, kw)) or []
+
+    clock = iter([10.0, 11.0, 13.123456789, 20.987664321])  # shard start, warm-up start and end, shard end
+    monkeypatch.setattr(runner, "shard_steps", steps)
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: next(clock), time=lambda: 1e9))
+    assert runner.run_shard(w, Shard(0, tuple({"id": i, "prompt": "p"} for i in "abcd"), "fp"))  # 2 batches of 2
+    assert calls == [("a", {"num_inference_steps": 2}), ("a", {}), ("c", {}), (None, {})]
+    [job] = w.writer.jobs
+    state = job.state
+    assert state["stages"]["warmup"] == 2.1235 and state["seconds"] == 8.8642  # 20.98766 - 10 - 2.12346
+    assert state["images_per_s"] == 0.451 and state["stages"]["writer_wait"] == 0.0247
+    assert state["compiles"] == 3  # the warm-up's and the two batches'
+    assert [s["quality.score"] for _, _, b in w.writer.added for s in b] == [0.5] * 4
+
+
+def test_a_shard_starts_by_clearing_its_own_dead_leftovers_only_and_waits_at_the_testing_hold(monkeypatch, tmp_path):
+    """launcher/ledger/states.py's clean_tmp for this shard only: its own dead write (this host, a pid that no longer
+    runs) goes; another shard's write from another host, quiet for over a minute, stays (that shard is its holder's:
+    a batch may take that long); testing.hold_batches_until is waited on (its `.waiting` said) before each batch."""
+    import os
+
+    from launcher.ledger.store import HOST
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    hold = tmp_path / "go"
+    hold.touch()
+    w, _ = shard_worker(
+        monkeypatch, tmp_path, overrides=["generate.images_per_prompt=1", f"testing.hold_batches_until={hold}"]
+    )
+    (tmp_path / "data").mkdir()
+    mine = tmp_path / "data" / f".shard-00004.parquet.tmp-{HOST}-999999999"
+    theirs = tmp_path / "data" / ".shard-00007.parquet.tmp-another-host-123"
+    for p in (mine, theirs):
+        p.write_bytes(b"part")
+        os.utime(p, (1, 1))
+    assert runner.run_shard(w, Shard(4, ({"id": "a", "prompt": "p"},), "fp"))
+    assert not mine.exists() and theirs.exists()
+    assert (tmp_path / "go.waiting").exists()
+
+
+@pytest.mark.parametrize("where", ["here", "on a peer"])
+def test_a_shard_whose_batches_cannot_be_made_here_or_on_a_peer_fails_naming_the_error_and_runs_no_step(
+    where, monkeypatch, tmp_path
+):
+    """An edit job's reference gone since planning: the shard fails with the error's class and words (the exchange
+    with the tp peers gives every rank the first error), and no rank runs a step of it (a peer that had batches
+    would wait alone in a collective)."""
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    w, _ = shard_worker(monkeypatch, tmp_path, overrides=["generate.images_per_prompt=1"])
+    seen = []
+    error = "FileNotFoundError: ref.png is gone"
+    if where == "here":
+        job = runner.job_of(w.cfg.job)
+        monkeypatch.setattr(
+            job, "shard_batches", lambda rows, cfg: (_ for _ in ()).throw(FileNotFoundError("ref.png is gone"))
+        )
+    else:
+        monkeypatch.setattr(runner, "_agree", lambda groups, local, mark=None: error if not seen else None)
+
+    def steps(pipe, batches, cfg, job, set_lora_scales=None):
+        seen.append(list(batches))
+        yield from ()
+
+    monkeypatch.setattr(runner, "shard_steps", steps)
+    assert not runner.run_shard(w, Shard(1, ({"id": "a", "prompt": "p"},), "fp"))
+    [job] = w.writer.jobs
+    assert seen == [[]] and job.state["status"] == "failed"
+    assert job.state["error"] == error and job.state["error_class"] == "FileNotFoundError"
+
+
+def test_an_injected_failure_says_it_is_the_testing_knobs_in_its_shards_state(monkeypatch, tmp_path):
+    from launcher.plan.shards import Shard
+    from launcher.worker import runner
+
+    w, _ = shard_worker(monkeypatch, tmp_path, overrides=["testing.fail_shards=[3]", "mesh.tp=1"])
+    assert not runner.run_shard(w, Shard(3, ({"id": "a", "prompt": "p"},), "fp"))
+    want = "InjectedFailure: testing.fail_shards: injected failure in shard 3 (shard 3, rows 'a')"
+    assert w.writer.jobs[0].state["error"] == want
+
+
+def test_compile_mode_warms_up_once_a_height_width_and_batch_length_whatever_its_steps(monkeypatch):
+    """runner.py's _warm_up: a batch's compiled graphs depend on its size and length, not on its step count
+    (WARMUP_STEPS' comment); each new (height, width, rows) runs the step once with 2 steps, timed apart, the stage
+    times it took handed back to the timer's count before it (the warm-up's own are dropped)."""
+    from launcher.config import load_config
+    from launcher.worker import runner
+
+    cfg = load_config("tiny", ["execution.mode=compile"])
+    w = runner.Worker(cfg, None, None, None, None)
+    taken = iter(range(100))
+    w.timer = types.SimpleNamespace(take=lambda: {"n": next(taken)}, added=[])
+    w.timer.add = w.timer.added.append
+    monkeypatch.setattr(
+        runner, "time", types.SimpleNamespace(perf_counter=Clock(1.0, 1.5, 2.0, 4.0, 5.0, 5.25).perf_counter)
+    )
+    calls = []
+    batches = [((64, 64, 4, 3.5), 2), ((64, 64, 8, 3.5), 2), ((32, 64, 4, 3.5), 2), ((32, 64, 4, 3.5), 1)]
+    got = []
+    for k, (shape, n) in enumerate(batches):
+        batch = types.SimpleNamespace(shape=shape, rows=[{}] * n)
+        got.append(runner._warm_up(w, batch, lambda k=k, **kw: calls.append((k, kw))))
+    assert got == [0.5, 0.0, 2.0, 0.25]
+    assert calls == [(0, {"num_inference_steps": 2}), (2, {"num_inference_steps": 2}), (3, {"num_inference_steps": 2})]
+    assert w.timer.added == [{"n": 0}, {"n": 2}, {"n": 4}]
+
+
+def test_tp_peers_hear_their_writers_shard_and_full_output_and_share_errors_over_their_gloo_group(monkeypatch):
+    """A tp rank 1 of dp replica 1 (world ranks 2, 3): the shard and the output's fullness come from its group's
+    rank 0 (group rank: global rank 0 is not in this group), over the gloo tp group; errors are gathered over that
+    group, one slot a tp rank, and every rank gets the first; different images with no error fail the batch as a
+    RuntimeError (its state's error class)."""
+    from launcher.worker import runner
+    from launcher.worker.dist import Groups
+
+    class TpWorld(FakeWorld):
+        def get_world_size(self, group=None):
+            return 2 if group == "tp" else 4
+
+        def broadcast_object_list(self, box, src=None, group=None, group_src=None):
+            if group == "tp" and group_src is None and src is None:  # torch then takes global rank 0, not here
+                raise ValueError("global rank 0 is not part of group")
+            super().broadcast_object_list(box, src, group, group_src)
+
+        def all_gather_object(self, out, obj, group=None):
+            assert group == "tp" and len(out) == 2, (group, len(out))
+            out[:] = [self.feed["gather"].pop(0), obj]
+
+    shard = types.SimpleNamespace(index=6)
+    feed = {"tp": [shard, True], "gather": [("ValueError: boom", None), (None, "a"), (None, "b")]}
+    world = TpWorld(3, 4, 1, feed)
+    groups = Groups("mesh", 1, 1, 2, "tp", "world")
+    w = runner.Worker(None, None, groups, None, None)
+    monkeypatch.setattr(runner, "dist", world)
+    assert runner._next_shard(w, None, []) == 6 and w.shard is shard
+    assert runner._out_of_space(w) is True
+    assert runner._agree(groups, None) == "ValueError: boom"
+    assert runner._agree(groups, None, "a") is None
+    differ = runner._agree(groups, None, "a")
+    assert differ.startswith("RuntimeError: the ranks of a tp group computed different images")
+
+
+def test_a_failed_batch_of_six_real_rows_names_five_and_says_one_more():
+    from launcher.plan.shards import Shard
+    from launcher.worker.runner import _rows_of
+
+    batch = types.SimpleNamespace(rows=[{"id": i} for i in "abcdefg"], n_real=6)  # g: padding
+    assert _rows_of(Shard(2, (), "fp"), batch) == " (shard 2, rows 'a', 'b', 'c', 'd', 'e' and 1 more)"
