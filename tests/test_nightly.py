@@ -1201,3 +1201,277 @@ def test_a_new_files_id_that_a_grown_files_old_part_holds_is_set_aside_in_the_ne
     plan, reads = nights.plan()
     assert [(r["position"], r["id"]) for r in plan.rejected] == [(0, "p002")] and len(reads) == 4
     assert plan.rejected[0]["reason"].startswith(f"dataset {d / 'a.jsonl'}: duplicate id 'p002' (also row 2 of ")
+
+
+def test_pass_2_finds_a_selected_shards_rows_in_whichever_file_holds_them_now(tmp_path, monkeypatch):
+    """launcher/ids/idpass2.py gathers a selected shard from every file whose map holds its rows: a file of shard 0
+    alone, one that holds shards on both sides of the selected one but none of its rows (passed over, not the end
+    of the search), and a file that took rows over from a file gone. A night with nothing changed stages no new
+    generation of the map (each night costs what changed)."""
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b = d / "a.jsonl", d / "b.jsonl"
+    write(a, ROWS[:4])  # shard 0
+    write(b, ROWS[4:6])  # shard 1
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    first, _ = nights.plan()
+    assert _shards(first) == [(0, 4, "pending"), (1, 2, "pending")]
+    assert nights.rows(first, 0) == [(r["uid"], r["prompt"]) for r in ROWS[:4]]  # a.jsonl holds shard 0 only
+    append(a, MORE)  # a.jsonl: shards 0 and 2
+    second, _ = nights.plan()
+    assert second.selected == [2]
+    del nights.states[1]  # shard 1's run failed
+    index = tmp_path / "out" / "sources" / "index.json"
+    before = index.read_bytes()
+    third, _ = nights.plan()
+    assert third.selected == [1] and index.read_bytes() == before  # nothing changed: no new generation of the map
+    assert nights.rows(third, 1) == [(r["uid"], r["prompt"]) for r in ROWS[4:6]]  # past a.jsonl, in b.jsonl
+    # a.jsonl goes; its rows come back at the end of b.jsonl, and keep shards 0 and 2 there
+    a.unlink()
+    append(b, [*ROWS[:4], *MORE])
+    del nights.states[0]
+    fourth, _ = nights.plan()
+    assert _shards(fourth) == [(0, 4, "pending"), (1, 2, "done"), (2, 4, "done")]
+    assert nights.rows(fourth, 0) == [(r["uid"], r["prompt"]) for r in ROWS[:4]]
+
+
+def test_set_aside_rows_are_placed_by_their_row_in_the_whole_source_across_files(tmp_path, monkeypatch):
+    """docs/guide.md, dataset.bad_rows=skip: a set-aside row's `position` is its row number in the whole source (the
+    files in listing order, from 0), and with an id column it gets no shard. Rows are counted so in every file each
+    night, the files that did not change included; a row of one file set aside never takes a row of another with
+    it, and a read block of bad rows alone ends nothing."""
+    from launcher.sources import prompts, prompts_fast
+
+    monkeypatch.setattr(prompts_fast, "_BLOCK", 54)  # one JSON line of ROWS a block
+    monkeypatch.setattr(prompts, "BATCH_ROWS", 1)  # a file of bad rows is read by rows: a bad row is a batch alone
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b, c, e = (d / f"{n}.jsonl" for n in "abce")
+    bad = [{"uid": f"bad{k}"} for k in range(2)]  # no prompt
+    write(a, ROWS[:2])
+    write(b, ROWS[2:4])
+    write(c, ROWS[4:6])
+    write(e, [bad[0], ROWS[6]])
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "dataset.bad_rows=skip")
+    first, _ = nights.plan()
+    assert [(r["position"], r["id"], r["shard"]) for r in first.rejected] == [(6, "bad0", None)]
+    assert _shards(first) == [(0, 4, "pending"), (1, 3, "pending")]
+    assert [i for i, _ in nights.rows(first, 1)] == ["p004", "p005", "p006"]  # p006 after a block of a bad row
+    append(c, [ROWS[7]])  # c.jsonl grows (a new shard); e.jsonl too, by a bad row; a.jsonl and b.jsonl are as they were
+    append(e, [bad[1]])
+    second, _ = nights.plan()
+    assert [(r["position"], r["id"], r["shard"]) for r in second.rejected] == [(9, "bad1", None)]  # 2 + 2 + 3 + 2
+    assert _shards(second)[2:] == [(2, 1, "pending")]
+    # c.jsonl grows again, by a new id and one that a.jsonl holds (set aside: its position is 4 + 4); e.jsonl, as
+    # it was, now starts at row 9: its p006 (row 8 if e.jsonl were counted from where it started before) stays
+    append(c, [ROWS[8], {"uid": "p000", "prompt": "again"}])
+    del nights.states[1]
+    third, _ = nights.plan()
+    assert [(r["position"], r["id"]) for r in third.rejected] == [(8, "p000")]
+    assert third.selected == [1, 3]
+    assert [i for i, _ in nights.rows(third, 1)] == ["p004", "p005", "p006"]
+
+
+def test_a_positional_folder_whose_last_done_shard_has_one_prompt_keeps_it_when_the_id_map_is_first_built(
+    tmp_path, monkeypatch
+):
+    """launcher/ids/idplan.py's migration (as the test above), at its edges: a done last shard of one prompt keeps
+    exactly that one, and a done state that records no row count (rows and prompts are optional in a state:
+    launcher/ledger/states.py) is a whole shard, not a short one, and no error."""
+    from launcher.plan.plan import shard_tables, source
+    from launcher.plan.shards import prompts_fingerprint
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS[:9])  # by position: shards of 4, 4 and 1 rows
+    nights = _Nights(tmp_path, monkeypatch, src)
+    for i, t, _ in shard_tables(source(nights.cfg), 4, None):
+        counts = {"rows": t.num_rows} if i else {}  # shard 0's state says no count
+        nights.states[i] = {"status": "done", **counts, "prompts_fingerprint": prompts_fingerprint(t)}
+    write(src, [*ROWS, *MORE])
+    plan, _ = nights.plan()
+    assert _shards(plan) == [(0, 4, "done"), (1, 4, "done"), (2, 1, "done"), (3, 4, "pending"), (4, 1, "pending")]
+    assert [i for i, _ in nights.rows(plan, 3)] == ["p009", "q0", "q1", "q2"]
+
+
+def test_an_id_map_made_with_another_shard_size_is_not_used(tmp_path, monkeypatch):
+    """launcher/ids/idmap.py load: a map made with another run.shard_size is none (its shards are of the other size);
+    the source is planned afresh, in shards of the size asked for."""
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)
+    _Nights(tmp_path, monkeypatch, src).plan()  # shards of 4: 4, 4, 2
+    nights = _Nights(tmp_path, monkeypatch, src, "run.shard_size=3")
+    plan, read = nights.plan()
+    assert [s.rows for s in plan.shards] == [3, 3, 3, 1] and read == [[0, 10]]
+
+
+def test_an_id_back_from_the_left_ids_is_a_duplicate_when_another_file_repeats_it_later(tmp_path, monkeypatch):
+    """The map's ids that left the source are those gone now: once an id that left is back, it is no longer among
+    them, so a later file that repeats it is refused as a duplicate, not taken as the id moving again."""
+    from launcher.errors import ConfigError
+
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b, c = d / "a.jsonl", d / "b.jsonl", d / "c.jsonl"
+    write(a, ROWS[:2])
+    write(b, ROWS[2:3])
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    nights.plan()
+    b.unlink()  # p002 leaves
+    nights.plan()
+    write(b, ROWS[2:3])  # and comes back: no id has left now
+    nights.plan()
+    write(c, [{"uid": "p002", "prompt": "again"}])
+    with pytest.raises(ConfigError, match="duplicate id 'p002'"):
+        nights.plan()
+
+
+def test_hash_runs_longer_than_a_read_block_are_merged_whole_each_hash_spilled_once(tmp_path, monkeypatch):
+    """launcher/ids/idruns.py merged: runs are read in blocks of 2**22 hashes (bounded memory); a run longer than a
+    block is merged whole (a hash left out would make its id new again, a second shard for it), each hash spilled
+    once."""
+    from launcher.ids import idruns
+
+    n = (1 << 22) + 5000
+    long = np.arange(n, dtype=np.uint64) * np.uint64(2**64 // n)  # sorted, unique, in every bucket
+    short = np.array([7, 2**63 + 1, 2**64 - 2], np.uint64)
+    long.astype("<u8").tofile(tmp_path / "long.u64")
+    short.astype("<u8").tofile(tmp_path / "short.u64")
+    spilled, real = [0], idruns.Spill.add
+
+    def add(self, hashes):
+        spilled[0] += len(hashes)
+        assert spilled[0] <= len(long) + len(short), "a hash spilled twice"
+        real(self, hashes)
+
+    monkeypatch.setattr(idruns.Spill, "add", add)
+    idruns.merged([tmp_path / "long.u64", tmp_path / "short.u64"], tmp_path / "out.u64")
+    out = np.fromfile(tmp_path / "out.u64", dtype="<u8")
+    assert spilled[0] == len(long) + len(short)
+    assert np.array_equal(out, np.insert(long, np.searchsorted(long, short), short))  # sorted, each hash once
+
+
+def test_a_shards_fingerprint_is_the_sum_of_its_rows_hashes_however_the_map_reached_it(tmp_path, monkeypatch):
+    """launcher/ids/rowhash.py shard_fingerprint: the sum of a shard's row hashes mod 2**64, 16 hex digits. A map
+    that met an edit on a later night (its shard's sum updated by the row's change) gives each shard the
+    fingerprint a map built afresh over the source as it is now gives: a map planned afresh (a damaged one) keeps
+    a regenerated shard done."""
+    from launcher.ids.rowhash import shard_fingerprint
+
+    assert shard_fingerprint(0) == "v3-0000000000000000"
+    assert shard_fingerprint(2**64 - 1) == "v3-ffffffffffffffff"
+    assert shard_fingerprint(2**64 + 5) == "v3-0000000000000005"
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # one read batch over shards 0, 1, 2
+    nights = _Nights(tmp_path, monkeypatch, src, "run.stale=regenerate")
+    nights.plan()
+    edited = [*ROWS]
+    edited[1] = {**ROWS[1], "prompt": "Osaka at night"}
+    write(src, edited)
+    later, _ = nights.plan()
+    assert later.selected == [0]  # regenerated
+    afresh, _ = _Nights(tmp_path, monkeypatch, src, out=str(tmp_path / "afresh")).plan()
+    assert [(s.rows, s.fingerprint) for s in afresh.shards] == [(s.rows, s.fingerprint) for s in later.shards]
+
+
+def test_a_night_that_only_removes_a_file_and_then_a_row_above_a_files_only_row_keep_every_shard(tmp_path, monkeypatch):
+    """Two small nights: a file removed and nothing read (a run of no new id hashes is written, and read back the
+    night after), then a row inserted above the only row of a file (its old map of one row, where each id read now
+    is looked up). The old id keeps its shard, done; the new one gets a new shard."""
+    d = tmp_path / "src"
+    d.mkdir()
+    a, b = d / "a.jsonl", d / "b.jsonl"
+    write(a, ROWS[:1])
+    write(b, ROWS[1:2])
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl")
+    nights.plan()
+    b.unlink()  # p001 leaves
+    gone, read = nights.plan()
+    assert read == [] and _shards(gone) == [(0, 2, "done")]
+    write(a, [{"uid": "q0", "prompt": "a new first row"}, ROWS[0]])
+    plan, _ = nights.plan()
+    assert _shards(plan) == [(0, 2, "done"), (1, 1, "pending")]
+    assert nights.rows(plan, 1) == [("q0", "a new first row")]
+
+
+def test_a_source_cut_short_between_the_two_passes_is_refused(tmp_path, monkeypatch):
+    """launcher/ids/idpass2.py: a shard whose last mapped row pass 2 never reads (the file lost its last rows after
+    pass 1) is not handed over short: the run stops with the one line of a source changed while it was planned."""
+    from launcher.errors import ConfigError
+
+    src = tmp_path / "a.jsonl"
+    write(src, ROWS)  # shards 0, 1, 2 (p008, p009)
+    nights = _Nights(tmp_path, monkeypatch, src)
+    plan, _ = nights.plan()
+    write(src, ROWS[:9])  # p009 is gone: shard 2 would be p008 alone, and p009, back later, never generated
+    with pytest.raises(ConfigError) as e:
+        nights.rows(plan, 2)
+    assert str(e.value) == (
+        f"the prompt source {src} changed while this run was planned; run the same command again once it is complete"
+    )
+
+
+def _model_string_hash(s: str) -> int:
+    """launcher/ids/rowhash.py's string hash, one string at a time, as its docstring describes it: the length times
+    M1, then each 8-byte little-endian word of the first 256 bytes (the last one zero-padded) mixed in by
+    multiply-xorshift; a longer string's whole text mixed in by pandas' hash; a final xorshift and multiply."""
+    import pandas as pd
+
+    m1, m2, mask = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 2**64 - 1
+    data = s.encode()
+    h = len(data) * m1 & mask
+    for j in range(max(1, -(-min(len(data), 256) // 8))):
+        word = int.from_bytes(data[8 * j : 8 * j + 8].ljust(8, b"\0"), "little")
+        h = (h ^ word) * m2 & mask
+        h ^= h >> 29
+    if len(data) > 256:
+        rest = int(pd.util.hash_pandas_object(pd.Series([s], dtype=object), index=False).iloc[0])
+        h = (h ^ rest) * m2 & mask
+    h ^= h >> 31
+    return h * m1 & mask
+
+
+def test_a_rows_hash_is_the_word_by_word_mix_its_docstring_describes():
+    """The id map keeps row hashes from one night (and one release) to the next: a hash that changed its formula
+    would find every row edited. launcher/ids/rowhash.py's vectorised hashes against a one-row-at-a-time model of
+    what they are: each column's hash (strings word by word, an id by its file stem, an integer by pandas' hash)
+    xored with the sha256 salt of its name (little-endian), mixed into the row's by multiply-xorshift in name
+    order; a null adds nothing; `rejected` and `ref_loc` are left out."""
+    import hashlib
+    import re
+
+    import pandas as pd
+
+    from launcher.ids.rowhash import id_hashes, row_hashes
+    from launcher.plan.shards import FILE_STEM_UNSAFE
+
+    mix, mask = 0x9E3779B97F4A7C15, 2**64 - 1
+    prompts = ["", "short", "eight by", "nine byte", "x" * 17, "y" * 256, "z" * 300, "é" * 130]
+    rows = [
+        {
+            "id": f"id {k}/x" if k % 2 else f"id_{k}",
+            "prompt": p,
+            "seed": None if k % 3 else k * 1000,
+            "ref_loc": "a",
+            "rejected": None if k else "bad",
+        }  # fmt: skip
+        for k, p in enumerate(prompts)
+    ]
+    batch = pa.RecordBatch.from_pylist(rows)
+    got = row_hashes(batch, id_hashes(batch.column("id")))
+
+    def column_hash(name, value):
+        if name == "id":
+            return _model_string_hash(re.sub(FILE_STEM_UNSAFE, "_", value))
+        if name == "seed":
+            return int(pd.util.hash_pandas_object(pd.Series([value], dtype="int64"), index=False).iloc[0])
+        return _model_string_hash(value)
+
+    for k, r in enumerate(rows):
+        out = 0
+        for name in ("id", "prompt", "seed"):  # sorted by name; ref_loc and rejected are left out
+            if r[name] is None:
+                continue
+            salt = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+            out = (out ^ column_hash(name, r[name]) ^ salt) * mix & mask
+            out ^= out >> 31
+        assert int(got[k]) == out, r

@@ -75,8 +75,8 @@ def shard_rows(
                 for s, t_ in _ready(order[done:], done, lambda s, r=reached: keys.get(s, (-1, -1)) <= r, parts, cut):
                     done += 1
                     yield s, t_
-    for s in order[done:]:
-        yield s, _whole(parts.pop(s), cut.get(s))
+    if done < len(order):  # a shard whose last mapped row was not read again: its file lost rows since pass 1
+        raise _changed(list(index.files)[keys[order[done]][0]])
 
 
 def _ready(order, done, is_ready, parts, cut):
@@ -122,6 +122,10 @@ def _check_same(f: str, sel: pa.Table, m: pa.Table, j: np.ndarray) -> None:
     ids = sel["id"].combine_chunks()
     fp = row_hashes(sel.combine_chunks().to_batches()[0], id_hashes(ids)) if sel.num_rows else np.zeros(0, np.uint64)
     if not pc.all(same).as_py() or not np.array_equal(fp, m["fp"].to_numpy()[j]):
-        raise ConfigError(
-            f"the prompt source {f} changed while this run was planned; run the same command again once it is complete"
-        )
+        raise _changed(f)
+
+
+def _changed(f: str) -> ConfigError:
+    return ConfigError(
+        f"the prompt source {f} changed while this run was planned; run the same command again once it is complete"
+    )
