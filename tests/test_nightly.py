@@ -1475,3 +1475,74 @@ def test_a_rows_hash_is_the_word_by_word_mix_its_docstring_describes():
             out = (out ^ column_hash(name, r[name]) ^ salt) * mix & mask
             out ^= out >> 31
         assert int(got[k]) == out, r
+
+
+# ids room (second)
+
+
+@pytest.mark.parametrize("setting", ["dataset.keep_columns", "dataset.prompt_column"])
+def test_a_source_read_with_other_columns_is_read_again_and_its_done_shards_are_stale(tmp_path, monkeypatch, setting):
+    """A row's hash covers what it gives its images (launcher/ids/rowhash.py), so another prompt column or a kept
+    column added changes every row, as it changes a shard's fingerprint without ids (tests/test_outputs.py): every
+    file is read again, whole (one unchanged, and one that grew: its old part was mapped as read before), its done
+    shards stale (run.stale decides), and a pending shard's rows are the rows as they are read now, not refused in
+    pass 2 as a source that changed while it was planned. The night after reads nothing again."""
+    d = tmp_path / "src"
+    d.mkdir()
+    tagged = [{**r, "tag": f"tag {i}"} for i, r in enumerate(ROWS)]
+    a, b = d / "a.jsonl", d / "b.jsonl"
+    write(a, tagged[:8])  # shards 0, 1
+    write(b, tagged[8:])  # shard 2
+    nights = _Nights(tmp_path, monkeypatch, f"{d}/*.jsonl", "run.stale=regenerate")
+    nights.plan()
+    old_end = b.stat().st_size
+    append(b, [{**r, "tag": f"more {i}"} for i, r in enumerate(MORE)])  # grown: shard 3, read from the old end
+    assert nights.plan()[1] == [[old_end, 4]]
+    del nights.states[2]  # shard 2's run failed
+    if setting == "dataset.keep_columns":
+        nights.cfg.dataset.keep_columns = ["tag"]
+    else:
+        nights.cfg.dataset.prompt_column = "tag"
+    append(b, [{"uid": "r0", "prompt": "a new row", "tag": "new"}])  # b.jsonl grew again; a.jsonl is as it was
+    plan, read = nights.plan()
+    assert read == [[0, 8], [0, 7]]  # both files, whole, from their tops
+    assert _shards(plan) == [(0, 4, "stale"), (1, 4, "stale"), (2, 2, "pending"), (3, 4, "stale"), (4, 1, "pending")]
+    assert plan.selected == [0, 1, 2, 3, 4]
+    rows = [_plan_rows(nights, plan, s) for s in (2, 4)]
+    assert [[r["id"] for r in shard] for shard in rows] == [["p008", "p009"], ["r0"]]
+    prompts = {"p008": ROWS[8]["prompt"], "p009": ROWS[9]["prompt"], "r0": "a new row"}
+    tags = {"p008": "tag 8", "p009": "tag 9", "r0": "new"}
+    if setting == "dataset.keep_columns":
+        assert [(r["prompt"], r["tag"]) for s in rows for r in s] == [(prompts[k], tags[k]) for k in prompts]
+    else:
+        assert [r["prompt"] for s in rows for r in s] == list(tags.values())
+    again, read = nights.plan()
+    assert read == [] and [s.status for s in again.shards] == ["done"] * 5
+
+
+def _plan_rows(nights, plan, shard: int) -> list[dict]:
+    """A shard's rows as pass 2 writes them to the plan file, every column."""
+    from launcher.plan.plan import PlanFile, write_plan_file
+
+    write_plan_file(nights.store, "plans/t.arrow", nights.cfg, plan)
+    return PlanFile(nights.store, "plans/t.arrow").shard(shard).rows
+
+
+def test_hash_runs_are_only_read_and_a_run_of_no_hash_adds_none(tmp_path):
+    """launcher/ids/idruns.py: a plan reads the runs of id hashes memory-mapped, read-only, so a run this account
+    may not write (an output folder another account made, planned by a dry run) is read, not taken for a damaged
+    map; a run of no hash (a night that read no new id) is an empty array: no hash is seen in it, and a merge of it
+    adds none."""
+    from launcher.ids.idruns import merged, open_runs, seen
+
+    full, empty = tmp_path / "full.u64", tmp_path / "empty.u64"
+    values = [3, 2**40, 2**63 + 5]
+    np.array(values, np.uint64).astype("<u8").tofile(full)
+    empty.write_bytes(b"")
+    full.chmod(0o444)
+    run, none = open_runs([full, empty])
+    assert run.tolist() == values and not run.flags.writeable
+    assert none.dtype == np.uint64 and len(none) == 0
+    assert seen([none], np.array([0, 3], np.uint64)).tolist() == [False, False]
+    merged([empty, full], tmp_path / "out.u64")
+    assert np.fromfile(tmp_path / "out.u64", "<u8").tolist() == values

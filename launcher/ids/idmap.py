@@ -2,7 +2,9 @@
 
 With `dataset.id_column`, shards hold ids, not row positions. The output folder keeps, under `sources/`:
 - `index.json`: per source file, what it was when last read (size, mtime) and its map; the shard table; the runs
-  of id hashes; the ids that left the source. Written last: the other files of a generation are in place first.
+  of id hashes; the ids that left the source; how rows were read (`reads`: the id, prompt, reference and kept
+  columns; read otherwise now, every file is read again). Written last: the other files of a generation are in
+  place first.
 - `map-*.parquet`, one per source file: each mapped row's row number in the file, id, id hash, row hash, shard
   and place in the shard, in file order. A file whose size and mtime are unchanged is not read again; a text
   file that only grew at its end (`grown`) is read from its old end, its old map copied and extended;

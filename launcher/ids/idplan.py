@@ -81,17 +81,17 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
     index = idmap.Index(store) if fresh else idmap.load(store, size)
     rows, total, legacy = index.read_shards()
     stats = {f: idmap.file_stat(f) for f in files}
-    old = index.files
-    changed = [f for f in files if not _same(old.get(f), stats[f])]
+    old, again = index.files, index.data.get("reads") != _reads(src)  # rows read otherwise now: read every file
+    changed = [f for f in files if again or not _same(old.get(f), stats[f])]
     # References and kept columns are read from the top, row for row beside the rows: such a source is read whole.
-    whole = bool(src.image_column or src.keep_columns)
+    whole = bool(src.image_column or src.keep_columns or again)
     grown = {f for f in changed if not whole and idmap.grown(old.get(f), stats[f], f)}
     removed = [f for f in old if f not in stats]
     out = IdShards(rows, total, legacy, index=index, late=src.late, skip=src.bad_rows == "skip", src=src)
     if not changed and not removed and [f for f in old] == files:
         return out
     staged = idmap.stage(index)
-    staged.data["shard_size"] = size
+    staged.data["shard_size"], staged.data["reads"] = size, _reads(src)
     try:
         new = _New(len(rows), size, _migration_caps(states, size) if not old else None)
         with idmap.reading("its runs of id hashes"):
@@ -179,6 +179,22 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
     from launcher.ids.idresolve import finish
 
     return finish(out, staged, new, spill, candidates, vanished, deltas, index, files, legacy_tables, left_before)
+
+
+def _reads(src) -> dict:
+    """How a row is read, as the id map's index.json keeps it. A row read otherwise now (another id, prompt,
+    reference or kept column) hashes otherwise: every file is then read again, whole, as a changed one, so that each
+    shard's fingerprint is that of its rows as they are read now (done ones found stale, as without ids), and pass 2
+    finds the rows it reads as pass 1 mapped them."""
+    keep = src.keep_columns if isinstance(src.keep_columns, str) else list(src.keep_columns)
+    return {
+        "id": src.id_column,
+        "prompt": src.prompt_column,
+        "references": src.image_column,
+        "size_from_reference": src.size_from_reference,
+        "row_settings": src.row_settings,
+        "keep": keep,
+    }
 
 
 def _same(entry: dict | None, stat: dict) -> bool:
