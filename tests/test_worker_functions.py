@@ -11,6 +11,7 @@ import types
 
 import numpy as np
 import pytest
+import test_host_functions
 import test_lora
 import test_quality
 import torch
@@ -1375,3 +1376,276 @@ def test_a_failed_batch_of_six_real_rows_names_five_and_says_one_more():
 
     batch = types.SimpleNamespace(rows=[{"id": i} for i in "abcdefg"], n_real=6)  # g: padding
     assert _rows_of(Shard(2, (), "fp"), batch) == " (shard 2, rows 'a', 'b', 'c', 'd', 'e' and 1 more)"
+
+
+# worker room, part run: launcher/worker/{dist,execution,main,pipeline,quality}.py (runner.py: part run (second), above)
+
+model_hub, empty_cache = test_host_functions.model_hub, test_host_functions.empty_cache  # the fake Hub's tiny model
+
+
+class FakeGroup:
+    """A process group as torch.distributed.new_group makes it: its ranks in group-rank order, and its backend."""
+
+    def __init__(self, ranks, backend, sort_ranks):
+        from torch.distributed import Backend
+
+        self.ranks = "world" if ranks is None else (sorted(ranks) if sort_ranks else list(ranks))
+        self.backend = None if backend is None else str(Backend(backend))
+
+
+def test_each_tp_group_is_a_gloo_group_led_by_its_first_listed_rank_and_the_world_has_one_too(monkeypatch):
+    """launcher/worker/dist.py: every rank creates every tp group (a collective), keeps its own as tp_control, and a
+    gloo group of all ranks; a tp group's rank 0 is the first rank its layout row lists (a topology-aware TPU layout
+    need not list them in increasing order), the one that claims and writes."""
+    import torch.distributed as dist
+
+    from launcher.worker.dist import build_groups
+
+    made = []
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, sort_ranks=True, **kw):
+        made.append(FakeGroup(ranks, backend, sort_ranks))
+        return made[-1]
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    mesh = types.SimpleNamespace(mesh=torch.tensor([[1, 0], [3, 2]]), get_local_rank={"dp": 1, "tp": 1}.get)
+    groups = build_groups(mesh)
+    assert [(g.ranks, g.backend) for g in made] == [([1, 0], "gloo"), ([3, 2], "gloo"), ("world", "gloo")]
+    assert groups.tp_control is made[1] and groups.world_control is made[2] and groups.mesh is mesh
+    assert (groups.dp_rank, groups.tp_rank, groups.tp_size, groups.is_writer) == (1, 1, 2, False)
+
+
+def test_a_tpu_mesh_takes_topology_aware_mesh_from_torch_tpu_distributed_or_from_torch_tpu(monkeypatch):
+    """TorchTPU releases put topology_aware_mesh in torch.tpu.distributed or in torch.tpu itself: either serves."""
+    from launcher.worker import dist as mdist
+
+    monkeypatch.setattr(
+        torch.distributed.device_mesh, "DeviceMesh", lambda dev, mesh, mesh_dim_names: (dev, mesh.tolist())
+    )
+    layout = lambda shape: torch.tensor([[1, 0]])  # noqa: E731
+    for tpu in (
+        types.SimpleNamespace(topology_aware_mesh=layout),  # no torch.tpu.distributed
+        types.SimpleNamespace(distributed=types.SimpleNamespace(), topology_aware_mesh=layout),  # one without it
+    ):
+        monkeypatch.setattr(torch, "tpu", tpu, raising=False)
+        assert mdist.ParallelDims(1, 2, 2).build_mesh("tpu") == ("tpu", [[1, 0]])
+
+
+def test_a_cuda_group_is_bound_to_its_device_and_tpu_without_torch_tpu_or_a_bad_device_is_one_line(
+    monkeypatch, tmp_path
+):
+    """DESIGN: errors name what is wrong. A CUDA process group is created for the rank's own device (device_id), so
+    NCCL never guesses it; device=tpu without TorchTPU is refused with the install hint before any group exists."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from launcher.errors import ConfigError
+    from launcher.worker import dist as mdist
+
+    seen = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(mdist, "local_device", lambda device_type: torch.device("cuda", 1))
+    assert mdist.init_distributed("cuda", 5) == torch.device("cuda", 1)
+    assert seen == [{"backend": "nccl", "timeout": timedelta(seconds=5), "device_id": torch.device("cuda", 1)}]
+    monkeypatch.setattr(mdist, "torch_tpu_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"torch_tpu is not installed; on a TPU VM run: pip install"):
+        mdist.init_distributed("tpu", 5)
+    assert len(seen) == 1
+    with pytest.raises(ConfigError, match=r"device='gpu' is not one of auto, tpu, cuda, cpu"):
+        mdist.resolve_device("gpu")
+    monkeypatch.undo()
+    (tmp_path / "torch_tpu").mkdir()
+    (tmp_path / "torch_tpu" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))  # an installed torch_tpu, found without importing it
+    assert mdist.torch_tpu_installed() is True
+
+
+def test_compile_takes_the_testing_backend_counts_every_compile_and_reads_inductors_cache_hits(monkeypatch):
+    """launcher/worker/execution.py: testing.compile_backend replaces the device's backend (the CPU tests' aot_eager);
+    the wrapped backend counts each compilation; cache_hits is inductor's fxgraph_cache_hit counter, 0 where none."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from launcher.config import load_config
+    from launcher.worker.execution import CompileStats, apply_compile, cache_hits
+
+    looked_up, compiled = [], []
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: looked_up.append(name) or (lambda gm, ex: gm))
+    pipe = types.SimpleNamespace(transformer=types.SimpleNamespace(compile=lambda **kw: compiled.append(kw)))
+    cfg = load_config("tiny", ["execution.mode=compile", "testing.compile_backend=aot_eager"])
+    stats = CompileStats()
+    apply_compile(pipe, cfg, "cpu", stats)
+    [kw] = compiled
+    assert looked_up == ["aot_eager"] and (kw["fullgraph"], kw["dynamic"]) == (True, False)
+    assert [kw["backend"]("graph", []) for _ in range(3)] == ["graph"] * 3 and stats.compiles == 3
+    saved = {k: dict(v) for k, v in counters.items()}
+    try:
+        counters.clear()
+        assert cache_hits() == 0
+        counters["inductor"]["fxgraph_cache_hit"] += 3
+        counters["inductor"]["fxgraph_cache_miss"] += 5
+        assert cache_hits() == 3
+    finally:
+        counters.clear()
+        for k, v in saved.items():
+            counters[k].update(v)
+
+
+def test_the_torchrun_entry_runs_its_arguments_and_exits_with_the_runs_code(monkeypatch, capsys):
+    """`python -m launcher.worker.main conf=NAME ...`: the worker dies with the launcher named in its environment,
+    runs its own arguments (conf= first) and exits with run's code; a refusal is one line on stderr, exit 2."""
+    import sys
+
+    import launcher.errors
+    from launcher.worker import main as wmain
+
+    died, ran, exited = [], [], []
+    monkeypatch.setattr(wmain, "die_with_parent", died.append)
+    monkeypatch.setattr(wmain, "setup_logging", lambda: None)
+    monkeypatch.setattr(wmain, "run", lambda argv: ran.append(argv) or 3)
+    monkeypatch.setattr(launcher.errors, "exit_with", exited.append)
+    monkeypatch.setenv("MESHGEN_LAUNCHER_PID", "4321")
+    monkeypatch.setattr(sys, "argv", ["main.py", "conf=flux2", "mesh.tp=2"])
+    wmain.main()
+    assert (died, ran, exited) == ([4321], [["conf=flux2", "mesh.tp=2"]], [3])
+    monkeypatch.undo()
+    assert wmain.run(["conf=tiny", "device=gpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: device='gpu' is not one of auto, tpu, cuda, cpu\n"
+
+
+def test_a_checkers_preprocessing_is_its_repos_own_else_its_pipelines_else_clips_standard(tmp_path):
+    """launcher/worker/quality.py: preprocessor_config.json beside the weights, or a pipeline's feature_extractor/,
+    else CLIP's standard preprocessing (transformers' CLIPImageProcessor defaults: shortest edge 224, crop 224)."""
+    from transformers import CLIPImageProcessor
+
+    from launcher.worker.quality import _checker_processor
+
+    own, pipeline, bare = tmp_path / "own", tmp_path / "pipeline", tmp_path / "bare"
+    CLIPImageProcessor(size={"shortest_edge": 48}, crop_size=48).save_pretrained(own)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32).save_pretrained(pipeline / "feature_extractor")
+    bare.mkdir()
+    assert _checker_processor(str(own), CLIPImageProcessor).crop_size == {"height": 48, "width": 48}
+    assert _checker_processor(str(pipeline), CLIPImageProcessor).crop_size == {"height": 32, "width": 32}
+    image = np.random.default_rng(0).integers(0, 256, (300, 260, 3), dtype=np.uint8)
+    got = _checker_processor(str(bare), CLIPImageProcessor)(image, return_tensors="pt").pixel_values
+    assert torch.equal(got, CLIPImageProcessor()(image, return_tensors="pt").pixel_values)
+
+
+def test_the_scorer_runs_its_models_in_the_runs_dtype(quality_models):
+    """Both quality models run in model.dtype (the module docstring), their inputs cast to it."""
+    from test_quality import PROMPTS, images
+
+    from launcher.config import load_config
+    from launcher.worker.quality import load_scorer
+
+    clip, checker = quality_models
+    q = [f"quality.clip_model={clip}", f"quality.safety_model={checker}", "quality.batch_size=2"]
+    cfg = load_config("tiny", ["quality.clip_score=true", "quality.safety=true", "model.dtype=bfloat16", *q])
+    scorer = load_scorer(cfg, "cpu")
+    assert scorer.clip.dtype == scorer.checker.dtype == torch.bfloat16
+    cols = scorer.columns(images(3), PROMPTS[:3])
+    assert len(cols["clip_score"]) == len(cols["nsfw"]) == 3
+    assert len(scorer.nsfw(images(2))) == 2  # the checker's own preprocessing, cast too
+
+
+class Loaded:
+    """A component class whose from_pretrained records how it was asked to load."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def from_pretrained(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return f"sharded {self.name}"
+
+
+@pytest.mark.parametrize(
+    "overrides, sharded",
+    [
+        (["mesh.tp=2", "mesh.dp=3"], {"transformer", "text_encoder"}),
+        (["mesh.tp=2", "mesh.dp=3", "model.shard_text_encoder=false"], {"transformer"}),
+        (["mesh.tp=2", "mesh.dp=3", "model.shard_transformer=false"], {"text_encoder"}),
+        (["mesh.tp=1", "mesh.dp=3"], set()),
+    ],
+)
+def test_at_tp_above_1_each_rank_loads_its_slices_of_what_the_config_shards_and_the_rest_whole(
+    overrides, sharded, monkeypatch
+):
+    """launcher/worker/pipeline.py: at tp > 1 the transformer is read sharded over the mesh's tp axis (diffusers'
+    TensorParallelConfig) and the text encoder, where transformers has a plan for its class, with transformers'
+    DistributedConfig (tp and dp sizes), each in model.dtype from its subfolder; model.shard_* false keeps that one
+    whole; the pipeline is built around the sharded parts, and the heap they freed is given back."""
+    import diffusers
+
+    from launcher.config import LoraEntry, load_config
+    from launcher.worker import pipeline
+
+    calls, freed, fused = [], [], []
+    classes = {"transformer": Loaded("transformer", calls), "text_encoder": Loaded("text_encoder", calls)}
+    index = {"transformer": ("diffusers", "T"), "text_encoder": ("transformers", "TE"), "vae": ("diffusers", "V")}
+    planned = []
+    monkeypatch.setattr(pipeline, "component_classes", lambda path: index)
+    monkeypatch.setattr(
+        pipeline, "_cls", lambda lib_and_name: classes[{"T": "transformer", "TE": "text_encoder"}[lib_and_name[1]]]
+    )
+    monkeypatch.setattr(pipeline, "text_encoder_has_tp_plan", lambda path, cls: planned.append((path, cls)) or True)
+    monkeypatch.setattr(diffusers, "TensorParallelConfig", lambda mesh: ("tp config", mesh))
+    built = lambda *a, **kw: calls.append(("pipe", a, kw)) or "the pipeline"  # noqa: E731
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", built)
+    monkeypatch.setattr(pipeline, "place", lambda pipe, cfg, device: None)
+    monkeypatch.setattr(pipeline, "release_freed_heap", lambda: freed.append(1))
+    import launcher.worker.lora_fuse
+
+    monkeypatch.setattr(launcher.worker.lora_fuse, "fuse_configured", lambda pipe, cfg: fused.append((pipe, cfg)))
+    cfg = load_config("tiny", ["model.path=/m", "model.dtype=float16", *overrides])
+    cfg.model.loras = [LoraEntry(path="/l.safetensors", scale=0.5)]
+    assert pipeline.load_pipeline(cfg, torch.device("cpu"), {"tp": "the tp mesh"}) == "the pipeline"
+    want = []
+    if "transformer" in sharded:
+        parallel = {"parallel_config": ("tp config", "the tp mesh")}
+        want.append(("transformer", ("/m",), {"subfolder": "transformer", "dtype": torch.float16, **parallel}))
+    if "text_encoder" in sharded:
+        dist_config = next(kw.pop("distributed_config") for name, _, kw in calls if name == "text_encoder")
+        assert (dist_config.tp_size, dist_config.dp_replicate_size) == (2, 3)
+        want.append(("text_encoder", ("/m",), {"subfolder": "text_encoder", "dtype": torch.float16}))
+        assert planned == [("/m", classes["text_encoder"])]
+    parts = {name: f"sharded {name}" for name in sorted(sharded)}
+    assert calls == [*want, ("pipe", ("/m",), {"dtype": torch.float16, **parts})]
+    assert fused == [("the pipeline", cfg)] and len(freed) == (1 if sharded else 0)
+
+
+def test_a_text_encoder_shards_where_its_text_config_or_its_class_has_a_tp_plan():
+    """pipeline.py: transformers shards a model by its config's base_model_tp_plan (a composite model's: that of
+    its text config, get_text_config()) or its class's _tp_plan; neither: no plan, the encoder is replicated."""
+    from launcher.worker.pipeline import text_encoder_has_tp_plan
+
+    def config(plan=None, text=None):  # as transformers' configs: every one has both, None where unset
+        c = types.SimpleNamespace(base_model_tp_plan=plan)
+        c.get_text_config = lambda: text or c
+        return c
+
+    def encoder(cfg, plan=None):
+        def from_pretrained(path, subfolder=None):
+            assert (path, subfolder) == ("/m", "text_encoder")
+            return cfg
+
+        return types.SimpleNamespace(config_class=types.SimpleNamespace(from_pretrained=from_pretrained), _tp_plan=plan)
+
+    colwise = {"layers.*.q_proj": "colwise"}
+    assert text_encoder_has_tp_plan("/m", encoder(config(text=config(colwise)))) is True  # composite (Mistral3)
+    assert text_encoder_has_tp_plan("/m", encoder(config(colwise))) is True
+    assert text_encoder_has_tp_plan("/m", encoder(config(), plan=colwise)) is True
+    assert text_encoder_has_tp_plan("/m", encoder(config())) is False
+
+
+def test_a_pipelines_components_are_read_from_the_hub_by_its_id(tiny_model, model_hub):
+    """model.path may be a Hub id: its model_index.json comes through diffusers' loader (the cache, or the Hub),
+    not from a folder of that name. The fake Hub of tests/test_host_functions.py serves the tiny pipeline."""
+    from launcher.worker.pipeline import component_classes
+
+    index = json.loads((tiny_model / "model_index.json").read_text())
+    want = {k: tuple(v) for k, v in index.items() if not k.startswith("_")}
+    assert component_classes(test_host_functions.REPO) == want
