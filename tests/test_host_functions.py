@@ -2784,3 +2784,246 @@ def test_run_stale_keep_over_an_id_column_records_which_ids_changed_in_the_kept_
     assert launcher_main([*job, "run.stale=keep"]) == 0, capsys.readouterr().err[-2000:]
     state = json.loads((out / "state" / "shard-00000.json").read_text())
     assert state["status"] == "done" and state["kept_ids"] == ["r1"]
+
+
+# open survivors, session 27
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {},
+            "error: mesh.nodes=2 needs NODE_RANK, this host's place among them (0 to 1), and it is not set: set "
+            "NODE_RANK and MASTER_ADDR on every host as the scheduler's recipes do (docs/operations.md)",
+        ),
+        ({"NODE_RANK": "2"}, "error: NODE_RANK='2' is not a host of mesh.nodes=2: set it to this host's place, 0 to 1"),
+        (
+            {"NODE_RANK": "first"},
+            "error: NODE_RANK='first' is not a host of mesh.nodes=2: set it to this host's place, 0 to 1",
+        ),
+        (
+            {"NODE_RANK": "1"},
+            "error: mesh.nodes=2 needs MASTER_ADDR, the first host's address, and it is not set: set it to the "
+            "address of the host with NODE_RANK=0, the same on every host",
+        ),
+    ],
+)
+def test_a_job_over_several_hosts_without_this_hosts_rank_or_the_first_hosts_address_is_one_line_up_front(
+    env, line, launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """README: several hosts are `mesh.nodes=2` with NODE_RANK and MASTER_ADDR (docs/operations.md: the scheduler
+    sets them). A launcher started without this host's rank (0 to nodes - 1), or without the first host's address,
+    is bad configuration: exit 2, one line naming the variable and how to set it, before anything is written (it
+    would otherwise take the first host's books, or hand torchrun a rank it refuses once the run has begun). A dry
+    run may check a job for other hosts: it says the variables as the shell will read them."""
+    for var in ("NODE_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    out = tmp_path / "out"
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", "mesh.nodes=2", "mesh.dp=2", "mesh.tp=1"]
+    assert launcher_main(args) == 2
+    said = capsys.readouterr()
+    assert said.err.strip().splitlines()[-1] == line and "error" not in said.out
+    assert not out.exists()
+    assert launcher_main(["--dry-run", *args]) == 0, capsys.readouterr().err[-2000:]
+    [torchrun] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torchrun ")]
+    assert "'--master-addr=$MASTER_ADDR'" in torchrun
+
+
+def test_a_row_of_a_bad_size_set_aside_by_bad_rows_skip_stays_aside_in_the_workers_plan_and_after_an_overwrite(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """DESIGN: with `dataset.bad_rows=skip` a row that cannot be generated goes to rejected/<run id>.parquet with
+    its reason, and the rest is generated; sizes must be within the family's limits (the tiny model's: multiples of
+    16). A jsonl of 3 rows, the second 65 pixels high: the workers' plan (plans/<run id>.arrow) holds the other two,
+    the run is exit 0, and its rejected file names the row; the same with run.overwrite=true over that folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out"
+    rows = [{"prompt": "a"}, {"prompt": "b", "height": 65}, {"prompt": "c", "height": 32}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            table = pa.ipc.open_file(f).read_all()
+        fingerprint = json.loads(table.schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        seen.append((run_id, table.column("prompt").to_pylist()))
+        (out / "state").mkdir(exist_ok=True)
+        done = {"status": "done", "rows": 2, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        return 0
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
+    args.append("dataset.bad_rows=skip")
+    for again in ([], ["run.overwrite=true"]):
+        assert launcher_main([*args, *again]) == 0, capsys.readouterr().err[-2000:]
+        run_id, planned = seen[-1]
+        assert planned == ["a", "c"]
+        rejected = pq.read_table(out / "rejected" / f"{run_id}.parquet").to_pylist()
+        assert [(r["file"], r["line"], r["position"]) for r in rejected] == [(str(prompts), 2, 1)]
+        assert "height 65" in rejected[0]["reason"]
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize(
+    ("nodes", "rank", "overwrite", "selected", "remote", "start", "books"),
+    [
+        (1, None, False, [0], False, "forkserver", True),
+        (1, None, False, [], False, "subprocess", True),  # nothing to generate: no worker starts
+        (1, None, True, [], False, "forkserver", True),  # run.overwrite plans again, after the fork
+        (2, "0", False, [0], False, "forkserver", True),
+        (2, "0", False, [], False, "subprocess", True),
+        (2, "1", False, None, False, "forkserver", False),  # another host: its workers always start
+        (1, None, False, [0], True, "subprocess", True),  # an object store's client is open: a fresh server
+        (2, "1", False, None, True, "subprocess", False),
+    ],
+)
+def test_the_workers_server_is_forked_early_only_where_workers_start_and_no_store_client_is_open(
+    nodes, rank, overwrite, selected, remote, start, books, monkeypatch
+):
+    """launcher/host/launch.py supervise: the workers' server is forked from the launcher before the books start
+    their threads (launcher/host/worker_start.py), on a host whose workers will start (the first host with shards
+    selected or run.overwrite, which plans again; every other host of a job, whose share the first host plans), and
+    never from a launcher that has opened an object store's client (a fork would copy its threads half-alive). The
+    first host keeps the books; the others only run their workers."""
+    from contextlib import contextmanager, nullcontext
+    from types import SimpleNamespace as NS
+
+    import launcher.host.agreement
+    import launcher.host.worker_start
+    import launcher.ledger.store
+    from launcher.host import launch
+
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    if rank is not None:
+        monkeypatch.setenv("NODE_RANK", rank)
+    forked, ran = [], []
+
+    @contextmanager
+    def server_forked_early(how):
+        forked.append(how)
+        yield
+
+    monkeypatch.setattr(launcher.host.worker_start, "server_forked_early", server_forked_early)
+    monkeypatch.setattr(launcher.host.agreement, "hosts_agree", lambda cfg: nullcontext())
+    monkeypatch.setattr(launcher.ledger.store, "opened_remote", lambda: remote)
+    monkeypatch.setattr(launch, "keep_books", lambda pf, conf, overrides, plan_: ran.append("books") or 0)
+    monkeypatch.setattr(launch, "run_hosts", lambda cfg, plan_, logs=None: ran.append("workers") or 0)
+    cfg = OmegaConf.create({"mesh": {"nodes": nodes}, "run": {"overwrite": overwrite}})
+    pf = NS(cfg=cfg, plan=None if selected is None else NS(selected=selected))
+    assert launch.supervise(pf, "tiny", [], launch.LaunchPlan(start="forkserver")) == 0
+    assert forked == [start] and ran == ["books" if books else "workers"]
+
+
+def test_a_stale_shard_of_ids_kept_by_run_stale_keep_records_the_ids_whose_rows_changed(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """docs/operations.md: with dataset.id_column, `run.stale=keep` keeps a stale shard's images and records the
+    kept ids in its state file (`kept_fingerprint`, `kept_ids`): the ids whose rows changed. A shard of ids p1, p2,
+    p3 made (workers stood in for), then p2's prompt changed: the kept shard's state names p2 alone; the same
+    command without run.stale=keep then finds it done."""
+    import pyarrow as pa
+
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out"
+
+    def write(b: str) -> None:
+        rows = [{"key": "p1", "prompt": "a"}, {"key": "p2", "prompt": b}, {"key": "p3", "prompt": "c"}]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
+            table = pa.ipc.open_file(f).read_all()
+        fingerprint = json.loads(table.schema.metadata[b"meshgen_plan"])["shards"][0][1]
+        (out / "state").mkdir(exist_ok=True)
+        done = {"status": "done", "rows": 3, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
+        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
+        return 0
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    write("b")
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
+    args.append("dataset.id_column=key")
+    assert launcher_main(args) == 0, capsys.readouterr().err[-2000:]
+    write("b, changed")
+    assert launcher_main([*args, "run.stale=keep"]) == 0, capsys.readouterr().err[-2000:]
+    state = json.loads((out / "state" / "shard-00000.json").read_text())
+    assert state["kept_ids"] == ["p2"] and "kept_fingerprint" in state
+    assert launcher_main(args) == 0, capsys.readouterr().err[-2000:]
+
+
+def test_a_run_whose_lock_was_taken_over_still_removes_its_own_plan_and_leaves_the_books_to_the_new_holder(
+    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
+):
+    """DESIGN: plans/<run id>.arrow is removed when the run ends. On an object store another launcher may take over
+    the lock of a run that looked dead (launcher/ledger/lock.py: held() is then false); that run still removes its
+    own plan as its workers end, while the folder's books (its ledger index, the card) and the other runs' leftover
+    plans are the new holder's. Workers stood in for; the take-over happens while they run."""
+    import launcher.ledger.lock
+    from launcher.host import launch
+    from launcher.host.worker_start import START_ENV
+
+    monkeypatch.setenv(START_ENV, "subprocess")
+    prompts, out = tmp_path / "p.txt", tmp_path / "out"
+    prompts.write_text("a\nb\n")
+    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
+    assert launcher_main([*args, "run.shards=failed"]) == 0, capsys.readouterr().err[-2000:]
+    (out / "README.md").unlink()
+    (out / "plans").mkdir()
+    (out / "plans" / "19990101T000000-elsewhere-1.arrow").write_bytes(b"a dead run's plan")
+    seen = []
+
+    def workers(cfg, plan_, logs=None):
+        run_id = os.environ["MESHGEN_RUN_ID"]
+        seen.append((run_id, (out / "plans" / f"{run_id}.arrow").exists()))
+        monkeypatch.setattr(launcher.ledger.lock.RunLock, "held", lambda self: False)  # taken over now
+        return 3
+
+    monkeypatch.setattr(launch, "run_hosts", workers)
+    assert launcher_main(args) == 3
+    [(run_id, planned)] = seen
+    assert planned and not (out / "plans" / f"{run_id}.arrow").exists()
+    assert (out / "plans" / "19990101T000000-elsewhere-1.arrow").exists()  # the new holder's to judge
+    assert not (out / "README.md").exists() and (out / "runs" / f"{run_id}.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "refused"),
+    [
+        ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, False),
+        ({"JOB_COMPLETION_INDEX": "1"}, False),
+        ({"TPU_WORKER_HOSTNAMES": "t0"}, True),  # one host: nothing for TorchTPU to derive a rank from
+        ({}, True),
+    ],
+)
+def test_a_tpu_slice_may_leave_the_hosts_rank_and_address_to_torchtpu(env, refused, monkeypatch):
+    """FINDINGS.md: on a multi-host TPU slice, set_tpu_launch_env derives NODE_RANK and MASTER_ADDR from
+    TPU_WORKER_HOSTNAMES (two or more names) or JOB_COMPLETION_INDEX; a job over several TPU hosts is then not refused
+    for their absence. Without either, it is, as on any other device."""
+    from launcher.checks.settings import check_host_env
+
+    for var in ("NODE_RANK", "MASTER_ADDR", "TPU_WORKER_HOSTNAMES", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    if refused:
+        with pytest.raises(ConfigError, match="^mesh.nodes=2 needs NODE_RANK"):
+            check_host_env(2, "tpu")
+    else:
+        check_host_env(2, "tpu")
+    with pytest.raises(ConfigError, match="^mesh.nodes=2 needs NODE_RANK"):
+        check_host_env(2, "cuda")  # the same variables mean nothing off a TPU

@@ -3842,3 +3842,36 @@ def test_an_aborted_shards_parquet_writer_is_closed_at_once_into_nothing(tmp_pat
     del stream
     gc.collect()
     assert unraisable == [] and [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# open survivors, session 27
+
+
+def test_the_writer_processs_encoders_are_fresh_interpreters_not_copies_of_it(tmp_path, monkeypatch):
+    """launcher/writer/writer_process.py: the writer process runs threads (its pool's, pyarrow's) that a fork would
+    copy half-alive, so its encoders are spawned, as the writer process itself is (launcher/writer/bgwriter.py): an
+    encoder holds none of the state its parent made at run time. Set up in this process as in the writer process:
+    the parent's import finder that refuses pandas, put in place before the encoders start, is not in theirs."""
+    import sys
+
+    from launcher.config import load_config
+    from launcher.writer import writer_process as wp
+
+    real = wp.die_with_parent
+
+    def not_this_process(parent):  # this process stands for the writer process: its encoders get the real one
+        monkeypatch.setattr(wp, "die_with_parent", real)
+
+    monkeypatch.setattr(wp, "die_with_parent", not_this_process)
+    monkeypatch.setattr(wp.os, "nice", lambda n: None)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(wp, "_OUT", {})
+    plain = types.SimpleNamespace(**OmegaConf.to_container(load_config("tiny").output, resolve=True))
+    wp._start_writer(str(tmp_path), plain, 2, os.getpid())
+    try:
+        assert type(sys.meta_path[0]).__name__ == "_WithoutPandas"  # the parent's, at run time
+        ask = "[type(f).__name__ for f in __import__('sys').meta_path]"
+        finders = [wp._OUT["encoders"].submit(eval, ask).result(timeout=60) for _ in range(4)]
+        assert all("_WithoutPandas" not in f for f in finders), finders
+    finally:
+        wp._stop_encoders()

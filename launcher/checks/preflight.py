@@ -63,6 +63,15 @@ def device(pf: Preflight) -> None:
     check_chip(pf.cfg, pf.device)
 
 
+def hosts(pf: Preflight) -> None:
+    """A job over several hosts: this host's NODE_RANK and the first host's MASTER_ADDR, set by the scheduler (a dry
+    run prints them as shell variables where unset: it may check a job for other hosts)."""
+    if pf.cfg.mesh.nodes > 1:
+        from launcher.checks.settings import check_host_env
+
+        check_host_env(pf.cfg.mesh.nodes, pf.device)
+
+
 def store_port(pf: Preflight) -> None:
     """A job over several hosts: the first host serves the rendezvous store on MASTER_PORT, which must be free."""
     if pf.cfg.mesh.nodes > 1:
@@ -185,6 +194,7 @@ class Step:
 STEPS = [
     Step("settings", settings),
     Step("device", device),
+    Step("hosts", hosts, real_only=True),
     Step("store port", store_port, real_only=True),
     Step("lora files", lora_files, real_only=True),
     Step("model", model, again=True),

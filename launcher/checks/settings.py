@@ -208,6 +208,31 @@ def check_object_store(url: str) -> None:
         )
 
 
+def check_host_env(nodes: int, device: str) -> None:
+    """A job over several hosts: every host's launcher needs its place among them (NODE_RANK, 0 to nodes - 1) and
+    the first host's address (MASTER_ADDR) from the scheduler. Without them torchrun's rendezvous fails, or another
+    host's books are kept twice, only once the run has begun: refused here, before anything is written. On a TPU
+    slice TorchTPU derives both (set_tpu_launch_env, after this check) from TPU_WORKER_HOSTNAMES or
+    JOB_COMPLETION_INDEX (FINDINGS.md), so either of those will do there."""
+    if device == "tpu" and ("," in os.environ.get("TPU_WORKER_HOSTNAMES", "") or "JOB_COMPLETION_INDEX" in os.environ):
+        return
+    rank = os.environ.get("NODE_RANK")
+    if rank is None:
+        raise ConfigError(
+            f"mesh.nodes={nodes} needs NODE_RANK, this host's place among them (0 to {nodes - 1}), and it is not "
+            "set: set NODE_RANK and MASTER_ADDR on every host as the scheduler's recipes do (docs/operations.md)"
+        )
+    if not (rank.isascii() and rank.isdigit()) or int(rank) >= nodes:
+        raise ConfigError(
+            f"NODE_RANK={rank!r} is not a host of mesh.nodes={nodes}: set it to this host's place, 0 to {nodes - 1}"
+        )
+    if not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(
+            f"mesh.nodes={nodes} needs MASTER_ADDR, the first host's address, and it is not set: set it to the "
+            "address of the host with NODE_RANK=0, the same on every host"
+        )
+
+
 def store_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
 
