@@ -1,5 +1,6 @@
 """The control plane's pieces at small scale: the two prompt readers agree, and the ledger's index saves reads."""
 
+import contextlib
 import json
 
 import pyarrow as pa
@@ -405,11 +406,18 @@ def test_asking_whether_a_process_lives_sends_it_nothing_and_one_of_another_user
 
     from launcher.ledger.liveness import pid_alive
 
+    sent, real_kill = [], os.kill
+
+    def kill(pid, sig):  # what is sent, then sent: the process asked about lives on after a signal 0
+        sent.append(sig)
+        real_kill(pid, sig)
+
     p = subprocess.Popen(["sleep", "30"])
     try:
-        assert pid_alive(p.pid)
-        with pytest.raises(subprocess.TimeoutExpired):
-            p.wait(timeout=0.5)  # still running
+        with monkeypatch.context() as m:
+            m.setattr(os, "kill", kill)
+            assert pid_alive(p.pid)
+        assert sent == [0] and p.poll() is None  # still running
     finally:
         p.kill()
         p.wait()
@@ -437,30 +445,44 @@ def test_a_lock_file_a_killed_run_left_is_dead_and_a_held_one_alive(tmp_path):
         assert record["run_id"] == "live" and alive
 
 
-def test_a_disk_lock_waits_out_a_probe_refuses_a_live_holder_at_once_and_is_an_ordinary_file(tmp_path):
+def test_a_disk_lock_waits_out_a_probe_refuses_a_live_holder_at_once_and_is_an_ordinary_file(tmp_path, monkeypatch):
     """lock.py on disk: another launcher's liveness probe holds the flock for an instant, which a starting run
-    waits out; a live holder is refused within a second (5 tries 0.1 s apart); the lock file is rw-r--r-- as the
-    folder's other files (umask 022), executable by none."""
+    waits out; a live holder is refused within half a second (5 tries 0.1 s apart: 4 waits); the lock file is
+    rw-r--r-- as the folder's other files (umask 022), executable by none. The probe lets go during the starting
+    run's first wait (an event, not a timer racing the retries)."""
     import fcntl
     import os
-    import threading
     import time
 
     from launcher.errors import LockHeld
+    from launcher.ledger import lock as lock_mod
     from launcher.ledger.lock import RunLock
 
     store = Store(tmp_path)
     (tmp_path / "locks").mkdir()
     probe = os.open(tmp_path / "locks" / "worker-00000.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    threading.Timer(0.15, os.close, (probe,)).start()
+    waits: list[float] = []
+    probing = [probe]
+
+    class Clock:  # lock.py's time, its waits recorded (not slept): the first one ends the probe
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds: float) -> None:
+            while probing:
+                os.close(probing.pop())
+            waits.append(seconds)
+
+    monkeypatch.setattr(lock_mod, "time", Clock())
     first = RunLock(store, 0, "first")
     first.acquire()
     try:
-        start = time.monotonic()
+        assert waits == [0.1]  # the probe was waited out
+        waits.clear()
         with pytest.raises(LockHeld, match="another run is active"):
             RunLock(store, 0, "second").acquire()
-        assert time.monotonic() - start < 2.0
+        assert waits == [0.1] * 4
         umask = os.umask(0o022)
         try:
             with RunLock(store, 1, "third"):
@@ -514,19 +536,21 @@ def test_an_object_store_lock_says_why_it_cannot_be_taken_and_who_won_a_takeover
 def test_releasing_an_object_store_lock_waits_for_a_beat_under_way_but_not_for_a_hung_one(tmp_path, monkeypatch):
     """lock.py release: a heartbeat write under way would put the lock back after release removed it (the next run
     would wait STALE_S for it), so release waits for it, up to two beats; a beat that hangs is not waited for
-    past that. Events, not sleeps: the beat's write is held until release starts waiting for it."""
+    past that. Events, not sleeps: the beat's write is held until release starts waiting for it. The beat comes
+    at once (HEARTBEAT_S 0.05 s); for a beat under way, the beats are made long once it has begun (a wait of
+    2 x 30 s, which a slow host never reaches), for a hung one they stay short (0.1 s, then release goes on)."""
     import threading
 
     from launcher.ledger import lock as lock_mod
 
-    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.05)
     entered, gate = threading.Event(), threading.Event()
 
     class Slow(_Bucket):
         def write_bytes(self, rel, data):
             if rel.startswith("locks/worker-"):
                 entered.set()
-                gate.wait(10)
+                gate.wait(60)
             super().write_bytes(rel, data)
 
     class Waited:  # the heartbeat thread, as release waits for it: the wait asked for is recorded
@@ -542,26 +566,32 @@ def test_releasing_an_object_store_lock_waits_for_a_beat_under_way_but_not_for_a
     store = Slow(tmp_path)
     lock = lock_mod.RunLock(store, 0, "r")
     lock.acquire()
-    assert entered.wait(5)  # a beat is under way
+    assert entered.wait(30)  # a beat is under way
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 30)
     beat = lock._beating = Waited(lock._beating, opens=True)
     lock.release()
     gate.set()
-    beat.thread.join(5)
+    beat.thread.join(30)
+    assert not beat.thread.is_alive()
     assert store.read_bytes("locks/worker-00000.json") is None  # the beat's write came before the removal
-    assert beat.timeouts == [1.0]  # two beats
+    assert beat.timeouts == [60]  # two beats
 
+    monkeypatch.setattr(lock_mod, "HEARTBEAT_S", 0.05)
     entered.clear(), gate.clear()
     hung = lock_mod.RunLock(store, 1, "h")
     hung.acquire()
     try:
-        assert entered.wait(5)
+        assert entered.wait(30)
         beat = hung._beating = Waited(hung._beating, opens=False)
         ending = threading.Thread(target=hung.release, daemon=True)
         ending.start()
-        ending.join(5)
-        assert not ending.is_alive() and beat.timeouts == [1.0]  # two beats, not the hung write's 10 s
+        ending.join(30)
+        assert not ending.is_alive() and beat.timeouts == [0.1]  # two beats, not the hung write's 60 s
     finally:
         gate.set()
+        hung._stop.set()
+        beat.thread.join(30)  # the hung write ends with the test, as does its thread
+    assert not beat.thread.is_alive()
 
 
 def test_an_object_store_address_is_the_folder_written_options_and_all(monkeypatch):
@@ -761,8 +791,11 @@ def test_verify_takes_an_old_state_without_rows_and_a_file_recorded_without_its_
 
 def test_a_conditional_create_on_s3_is_bounded_in_connecting_answering_and_tries(monkeypatch):
     """store.py boto_bounds: boto3's conditional create (claims and locks on S3) waits at most S3_TIMEOUT_S to
-    connect and twice that for an answer, 2 tries (boto3's own defaults: 60 s, 60 s, 5 tries); two conditional
-    writes of one key at once (S3's 409 ConditionalRequestConflict) is a create lost, as an existing key's 412 is."""
+    connect and twice that for an answer, 2 tries (boto3's own defaults: 60 s, 60 s, 5 tries), as the client
+    botocore builds reads them; an endpoint that never answers, or never completes a connection, is an error
+    after 2 connections, not a wait for ever; two conditional writes of one key at once (S3's 409
+    ConditionalRequestConflict) is a create lost, as an existing key's 412 is. Counted, not timed: a slow host
+    stretches every wait."""
     import socket
     import threading
     import time
@@ -772,51 +805,47 @@ def test_a_conditional_create_on_s3_is_bounded_in_connecting_answering_and_tries
 
     from launcher.ledger import store as store_mod
 
-    monkeypatch.setattr(store_mod, "S3_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(store_mod, "S3_TIMEOUT_S", 0.25)
     for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
     for k in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_PROFILE", "AWS_CONFIG_FILE"):
         monkeypatch.delenv(k, raising=False)
+    made, real_client = [], boto3.client
+    monkeypatch.setattr(boto3, "client", lambda *a, **kw: made.append(real_client(*a, **kw)) or made[-1])
 
-    def create(endpoint: str, wait_s: float) -> BaseException | None:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-        raised = []
+    def create(server: socket.socket) -> tuple[BaseException | None, int]:
+        """The create against `server`'s port: what it raised, and how many connections it made (each accepted
+        here while it runs; those still queued once it returned are counted after)."""
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        raised, conns = [], []
         worker = threading.Thread(
             target=lambda: _raised(lambda: store_mod._s3_create_exclusive("b", "lock", b"{}"), raised), daemon=True
         )
         worker.start()
-        worker.join(wait_s)
-        assert not worker.is_alive(), f"the create still waits on {endpoint} after {wait_s} s"
-        return raised[0] if raised else None
+        deadline = time.monotonic() + 60
+        server.settimeout(0.05)
+        try:
+            while worker.is_alive():
+                assert time.monotonic() < deadline, "the create still waits after 60 s"
+                with contextlib.suppress(TimeoutError):
+                    conns.append(server.accept()[0])
+            server.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    conns.append(server.accept()[0])
+        finally:
+            for conn in conns:
+                conn.close()
+        worker.join()
+        return (raised[0] if raised else None), len(conns)
 
-    silent, held = socket.create_server(("127.0.0.1", 0)), []  # accepts, reads, never answers
-
-    def hold(conn):
-        start = time.monotonic()
-        while conn.recv(65536):
-            pass
-        held.append(time.monotonic() - start)  # until the client gave up on it
-
-    def serve():
-        while True:
-            try:
-                conn, _ = silent.accept()
-            except OSError:
-                return
-            threading.Thread(target=hold, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        assert isinstance(create(f"http://127.0.0.1:{silent.getsockname()[1]}", 20), OSError)
-        deadline = time.monotonic() + 10
-        while len(held) < 2 and time.monotonic() < deadline:  # each hold ends as the client closes its connection
-            time.sleep(0.05)
-        time.sleep(0.5)  # a third try would have closed before the create returned
-        # 2 tries, each of botocore's 1 s wait for `100 Continue` (its PUTs ask for it) and 2 s for the answer: ~3 s
-        # (3 s for the answer would be ~4 s)
-        assert len(held) == 2 and all(s < 3.5 for s in held), held
-    finally:
-        silent.close()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    with silent:
+        error, tries = create(silent)
+    assert isinstance(error, OSError) and tries == 2, (error, tries)
+    config = made[-1].meta.config
+    assert (config.connect_timeout, config.read_timeout) == (0.25, 0.5)
+    assert config.retries["total_max_attempts"] == 2
     full = socket.socket()  # a listener whose queue is full: a connection is never completed
     full.bind(("127.0.0.1", 0))
     full.listen(0)
@@ -825,7 +854,15 @@ def test_a_conditional_create_on_s3_is_bounded_in_connecting_answering_and_tries
         q.setblocking(False)
         q.connect_ex(full.getsockname())
     try:
-        assert isinstance(create(f"http://127.0.0.1:{full.getsockname()[1]}", 10), OSError)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{full.getsockname()[1]}")
+        raised = []
+        worker = threading.Thread(
+            target=lambda: _raised(lambda: store_mod._s3_create_exclusive("b", "lock", b"{}"), raised), daemon=True
+        )
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the create still waits on a connection never completed after 60 s"
+        assert isinstance(raised[0], OSError), raised
     finally:
         for q in [*queued, full]:
             q.close()

@@ -3432,15 +3432,26 @@ def test_a_full_queue_at_close_is_waited_for_and_a_writer_that_fails_meanwhile_i
     """launcher/writer/bgwriter.py: generation (add) and close() wait for room in the queue (output.queue_shards)
     a second at a time, looking between waits at the writer thread: close() with the queue full for longer than
     one wait still ends once the writer has drained it; a writer thread that fails (here its on_recorded) while
-    add() and close() wait is raised to both ("the shard writer stopped: ..."), never waited on for ever."""
+    add() and close() wait is raised to both ("the shard writer stopped: ..."), never waited on for ever. Each
+    waiter's tries at the queue are counted: both have begun a second wait before the writer is let go."""
     import threading
-    import time
+
+    from conftest import until
 
     from launcher.config import load_config
     from launcher.ledger.store import Store
     from launcher.writer.bgwriter import BackgroundWriter
 
     entered, release, recorded = threading.Event(), threading.Event(), []
+    tries = {"add": 0, "close": 0}
+
+    def counted(put):  # the queue's put, each try of add (a batch) and close (None) counted
+        def counted_put(item, block=True, timeout=None):
+            if item is None or type(item).__name__ == "_Batch":
+                tries["close" if item is None else "add"] += 1
+            return put(item, block, timeout)
+
+        return counted_put
 
     def on_recorded(index: int) -> None:
         entered.set()
@@ -3450,20 +3461,24 @@ def test_a_full_queue_at_close_is_waited_for_and_a_writer_that_fails_meanwhile_i
         recorded.append(index)
 
     writer = BackgroundWriter(Store(tmp_path), load_config("tiny", ["output.queue_shards=1"]).output, 1, on_recorded)
+    writer._queue.put = counted(writer._queue.put)
+    waiters = []
     try:
         writer.submit(_failed_job(0))
         assert entered.wait(60)  # the writer thread holds shard 0
         writer.submit(_failed_job(1))  # and the queue is full
-        adding = _in_thread(writer.add, 2, "shard-00002", [])
-        closing = _in_thread(writer.close)
-        time.sleep(1.5)  # both have waited for room more than once
+        waiters.append(adding := _in_thread(writer.add, 2, "shard-00002", []))
+        waiters.append(closing := _in_thread(writer.close))
+        until(lambda: min(tries.values()) >= 2, timeout_s=60)  # both have waited for room more than once
         assert adding[0].is_alive() and closing[0].is_alive()
         release.set()
-        for thread, _ in (closing, adding) if fails else (closing,):
-            thread.join(20)
-            assert not thread.is_alive(), "still waiting on the writer after 20 s"
+        for thread, _ in (closing, adding):
+            thread.join(60)
+            assert not thread.is_alive(), "still waiting on the writer after 60 s"
     finally:
         release.set()
+        for thread, _ in waiters:
+            thread.join(60)
     if fails:
         for _, got in (adding, closing):
             assert repr(got.get("raised")) == (
@@ -3756,8 +3771,7 @@ def test_a_rank_that_fails_without_closing_its_writer_still_exits(tmp_path):
         text=True,
     )
     try:
-        (writer,) = map(int, rank.stdout.readline().split())
-        _, err = rank.communicate(timeout=60)
+        out, err = rank.communicate(timeout=60)  # bounded: a rank that never prints nor ends fails the test
     except subprocess.TimeoutExpired:
         for p in psutil.Process(rank.pid).children(recursive=True):
             p.kill()
@@ -3765,6 +3779,7 @@ def test_a_rank_that_fails_without_closing_its_writer_still_exits(tmp_path):
         rank.communicate()
         pytest.fail("the rank still runs 60 s after its error")
     assert rank.returncode == 1 and "RuntimeError: the model could not be loaded" in err, err
+    (writer,) = map(int, out.split())
     assert not psutil.pid_exists(writer) or psutil.Process(writer).status() == psutil.STATUS_ZOMBIE
 
 
