@@ -1649,3 +1649,459 @@ def test_a_pipelines_components_are_read_from_the_hub_by_its_id(tiny_model, mode
     index = json.loads((tiny_model / "model_index.json").read_text())
     want = {k: tuple(v) for k, v in index.items() if not k.startswith("_")}
     assert component_classes(test_host_functions.REPO) == want
+
+
+# worker room, part lora (launcher/worker/lora.py, lora_fuse.py, staged.py, cache.py, residency.py, timing.py)
+
+
+def test_a_third_text_encoder_counts_as_encoding_and_a_first_call_from_embeddings_as_denoising(monkeypatch):
+    """launcher/worker/timing.py: SD3's pipeline has three text encoders (text_encoder_3 its T5): all three are
+    encoding time. A timer whose first call comes from embeddings (nothing encoded yet) starts denoising at
+    set_timesteps. The timed decode passes the pipeline's keywords on (pipelines call
+    `vae.decode(latents, return_dict=False)`)."""
+    from launcher.worker import timing
+
+    pipe = pipe_with_stages()
+    pipe.text_encoder_3 = torch.nn.Identity()
+    pipe.vae = types.SimpleNamespace(decode=lambda latents, return_dict=True: (latents,) if not return_dict else "dict")
+    timer = timing.StageTimer(pipe, torch.device("cpu"))
+    # a call from embeddings first: set_timesteps at 1, decoding 5 -> 6; then a call that encodes: the encoders
+    # 10 -> 11, 11 -> 12 and 12 -> 14 (the third), decoding 20 -> 21
+    monkeypatch.setattr(timing, "time", Clock(1, 5, 6, 10, 11, 11, 12, 12, 14, 20, 21))
+    pipe.scheduler.set_timesteps(4)
+    assert pipe.vae.decode(torch.ones(1), return_dict=False) == (torch.ones(1),)
+    pipe.text_encoder(torch.zeros(1, 2))
+    pipe.text_encoder_2(torch.zeros(1))
+    pipe.text_encoder_3(torch.zeros(1))
+    pipe.scheduler.set_timesteps(4)
+    pipe.vae.decode(torch.ones(1), return_dict=False)
+    assert timer.take() == {"text_encoder": 1 + 1 + 2, "denoise": (5 - 1) + (20 - 14), "vae_decode": 1 + 1}
+
+
+CACHED = ["execution.cache=taylorseer", "+execution.cache_options.cache_interval=2"]
+CACHED += ["+execution.cache_options.disable_cache_before_step=1"]
+
+
+def _tiny_pipe(tiny_model, cfg):
+    from diffusers import Flux2Pipeline
+
+    from launcher.worker.cache import apply_cache
+
+    pipe = Flux2Pipeline.from_pretrained(tiny_model)
+    pipe.set_progress_bar_config(disable=True)
+    apply_cache(pipe, cfg)
+    return pipe
+
+
+def _same_samples(got: list, want: list) -> None:
+    assert [s["id"] for s in got] == [s["id"] for s in want]
+    for s, w in zip(got, want, strict=True):
+        assert s.keys() == w.keys() and s["model"] == w["model"], s["id"]
+        assert np.array_equal(s["pixels"], w["pixels"]), s["id"]
+
+
+def test_an_unstaged_sweep_encodes_each_prompt_once_for_all_its_variants_and_makes_a_plain_calls_images(
+    tiny_model, monkeypatch
+):
+    """launcher/worker/staged.py: with generate.sweep, the variants of one chunk of prompts share its embeddings
+    (FLUX.2 declares its encoding): one encoding per chunk, and each variant's images equal bitwise those of a plain
+    pipeline call of its batch (jobs/text_to_image.run_batch), with the step cache on, the batch's LoRA scales set
+    first, and the warm-up's step count reaching the call."""
+    import jobs.text_to_image as job
+    from launcher.config import load_config
+    from launcher.worker import staged
+
+    sweep = "generate.sweep={guidance_scale:[2.5,4.0]}"
+    cfg = load_config("tiny", [f"model.path={tiny_model}", "generate.batch_size=1", sweep, *CACHED])
+    pipe = _tiny_pipe(tiny_model, cfg)
+    batches = job.make_batches([{"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog"}], cfg.generate)
+    assert [(b.chunk, b.variant) for b in batches] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    for b in batches:
+        b.lora_scales = (0.5 + b.chunk,)
+    encoded, scales, got = [], [], []
+    encode = staged._encode
+    monkeypatch.setattr(staged, "_encode", lambda *a: encoded.append(a[1].chunk) or encode(*a))
+    for i, (b, step) in enumerate(staged.shard_steps(pipe, batches, cfg, set_lora_scales=scales.append)):
+        assert b is batches[i]
+        got.append(step(num_inference_steps=1) if i == 3 else step())
+    assert encoded == [0, 2] and scales == [(0.5,), (0.5,), (2.5,), (2.5,)]
+    for i, b in enumerate(batches):
+        _same_samples(got[i], job.run_batch(pipe, b, cfg, num_inference_steps=1 if i == 3 else None))
+    assert got[0][0]["model"] == str(tiny_model)
+
+
+def test_staged_with_a_step_cache_makes_a_plain_calls_images_and_parks_nothing_unless_asked(tiny_model):
+    """launcher/worker/staged.py: staged steps (encode all, denoise all, decode all) make bitwise the images of a
+    plain call per batch also with the step cache on (its state reset after each call, as a pipeline call's end
+    resets it), each denoise step setting its batch's LoRA scales and taking the warm-up's step count; with
+    execution.release_text_encoder=false no model leaves the chip."""
+    import jobs.text_to_image as job
+    from launcher.config import load_config
+    from launcher.worker import staged
+
+    args = [f"model.path={tiny_model}", "generate.batch_size=1", "execution.staged=true", *CACHED]
+    cfg = load_config("tiny", [*args, "execution.release_text_encoder=false"])
+    pipe = _tiny_pipe(tiny_model, cfg)
+    full = {m: sum(p.numel() for p in getattr(pipe, m).parameters()) for m in ("text_encoder", "transformer")}
+    batches = job.make_batches([{"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog"}], cfg.generate)
+    for b in batches:
+        b.lora_scales = (0.5 + b.chunk,)
+    scales, got, kinds = [], [], []
+    steps = staged.shard_steps(pipe, batches, cfg, set_lora_scales=scales.append)
+    for b, step in steps:
+        kinds.append(step.__name__)
+        got += step(num_inference_steps=1) if step.__name__ == "denoise" and b is batches[1] else step()
+        assert {m: sum(p.numel() for p in getattr(pipe, m).parameters()) for m in full} == full
+    steps.close()
+    assert kinds == ["encode", "encode", "denoise", "denoise", "decode", "decode"]
+    assert scales == [(0.5,), (1.5,)] * 2
+    want = job.run_batch(pipe, batches[0], cfg) + job.run_batch(pipe, batches[1], cfg, num_inference_steps=1)
+    _same_samples(got, want)
+
+
+def test_factors_read_the_older_key_layouts_diffusers_reads(loras, tmp_path):
+    """launcher/worker/lora.py: layouts of LoRA files diffusers' loaders take, each read whole, every module's
+    factors the file's own: CLIP text-encoder keys under `text_model.` (transformers 4's CLIPTextModel, which
+    transformers 5 flattened) with transformer keys in diffusers' old `lora.down` / `lora.up` naming (FLUX.1), and
+    kohya-style `alpha` keys beside PEFT's (FLUX.2, whose loader keeps them in the state dict)."""
+    from safetensors.torch import load_file, save_file
+
+    from launcher.worker.lora import factors
+
+    def read(family: str, rename, extra=None) -> tuple[dict, dict]:
+        model, files = loras(family)
+        sd = {k: v for k, v in load_file(str(files[0])).items() if not k.endswith(".alpha")}
+        path = tmp_path / f"{family}.safetensors"
+        save_file({rename(k): v for k, v in sd.items()} | (extra or {}), str(path))
+        return factors(_pipeline_class(model), path, str(model)), sd
+
+    def older(key: str) -> str:
+        if key.startswith("text_encoder."):
+            return key.replace("text_encoder.", "text_encoder.text_model.", 1)
+        return key.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up.")
+
+    alphas = {f"{c}.{n}.alpha": torch.tensor(4.0) for c, names in FAMILY["flux2"][2].items() for n in names}
+    for family, got, sd in (("flux1", *read("flux1", older)), ("flux2", *read("flux2", str, alphas))):
+        modules = FAMILY[family][2]
+        assert {c: sorted(m) for c, m in got.items()} == {c: sorted(names) for c, names in modules.items()}, family
+        for comp, names in modules.items():
+            for n in names:
+                assert torch.equal(got[comp][n].A, sd[f"{comp}.{n}.lora_A.weight"]), (family, n)
+                assert torch.equal(got[comp][n].B, sd[f"{comp}.{n}.lora_B.weight"]), (family, n)
+
+
+def test_factors_refuse_a_file_they_cannot_read_whole_naming_what_is_wrong(loras, tmp_path):
+    """launcher/worker/lora.py: what diffusers cannot load is one LoraError in the library's first words; a module
+    with one factor only (in either component), a lora_B bias, keys of two components none of which matches (one
+    the pipeline lacks) and keys of no component are refused, never fused in part; unmatched keys are listed up to
+    five."""
+    from safetensors.torch import load_file, save_file
+
+    from launcher.worker.lora import LoraError, factors, loader_class
+
+    model, files = loras("flux2")
+    sd = {k: v for k, v in load_file(str(files[0])).items()}
+
+    def refusal(state: dict) -> str:
+        path = tmp_path / "l.safetensors"
+        save_file(state, str(path))
+        with pytest.raises(LoraError) as e:
+            factors(_pipeline_class(model), path, str(model))
+        return str(e.value)
+
+    key = "transformer.transformer_blocks.0.attn.to_q"
+    assert refusal(sd | {f"{key}.lora_A.weight": sd[f"{key}.lora_A.weight"].to(torch.int64)}) == (
+        "diffusers cannot read its transformer keys (Error(s) in loading state_dict for Flux2Transformer2DModel:)"
+    )
+    for component in ("transformer", "text_encoder"):
+        b = next(k for k in sd if k.startswith(f"{component}.") and k.endswith(".lora_B.weight"))
+        why = refusal({k: v for k, v in sd.items() if k != b})
+        assert why == f"no factors were read for {b.removesuffix('.lora_B.weight')}", why
+    bias = sd | {f"{key}.lora_B.bias": torch.zeros(sd[f"{key}.lora_B.weight"].shape[0])}
+    assert refusal(bias).endswith(" is not a plain LoRA on a linear layer (DoRA, lora bias or another layer)")
+    a, b = torch.zeros(4, 8), torch.zeros(8, 4)
+    pair = (("A", a), ("B", b))
+    nowhere = {f"{c}.nothing_here.lora_{x}.weight": t for c in ("transformer", "unet") for x, t in pair}
+    nowhere = {k: v.clone() for k, v in nowhere.items()}  # safetensors saves no shared tensor
+    assert refusal(nowhere) == (
+        "none of its keys matches a module of the model (components it names: transformer, unet)"
+    )
+    assert (
+        refusal({"weights": a.clone()}) == "none of its keys matches a module of the model (components it names: none)"
+    )
+    # text-encoder keys that name no layer (a LoRA made for a deeper model): diffusers' loader finds no rank and
+    # raised an IndexError (a traceback at preflight); they are refused as unmatched, the transformer's judged too
+    ghost = "text_encoder.model.language_model.layers.9.self_attn.q_proj"  # the tiny encoder has 2 layers
+    transformer = {k: v for k, v in sd.items() if k.startswith("transformer.")}
+    real = "text_encoder.model.language_model.layers.0.self_attn.q_proj"
+    ghosts = {f"{ghost}.lora_{x}.weight": sd[f"{real}.lora_{x}.weight"].clone() for x in ("A", "B")}
+    why = refusal(transformer | ghosts)
+    assert why.startswith(f"2 of its {len(transformer) + 2} keys match no layer of the model ({ghost}.lora_A"), why
+    assert loader_class("NoSuchPipeline") is None  # a custom pipeline's class, which diffusers lacks: no loader
+    for n, listed in ((5, "{}"), (6, "{}, ...")):
+        extra = {f"transformer.nothing_{i}.lora_A.weight": a.clone() for i in range(n)}
+        names = ", ".join(f"transformer.nothing_{i}.lora_A.weight" for i in range(5))
+        assert refusal(sd | extra) == (
+            f"{n} of its {len(sd) + n} keys match no layer of the model ({listed.format(names)}); a misspelt prefix "
+            "fuses the LoRA only in part"
+        )
+
+
+def test_staged_latents_gone_bad_in_the_transformer_name_it_not_the_vae(tiny_model):
+    """launcher/worker/staged.py: staged, the family's decode_latents decodes (FLUX.2), so the latents are at hand
+    and checked before the VAE: a transformer that gives NaN is named as the model that went bad."""
+    import jobs.text_to_image as job
+    from launcher.config import load_config
+    from launcher.worker import staged
+
+    cfg = load_config("tiny", [f"model.path={tiny_model}", "generate.batch_size=1", "execution.staged=true"])
+    pipe = _tiny_pipe(tiny_model, cfg)
+    pipe.transformer.register_forward_hook(lambda m, i, out: (torch.full_like(out[0], float("nan")), *out[1:]))
+    steps = staged.shard_steps(pipe, job.make_batches([{"id": "a", "prompt": "a cat"}], cfg.generate), cfg)
+    with pytest.raises(job.NonFiniteOutput, match=r"^the transformer gave non-finite values"):
+        for _, step in steps:
+            step()
+    steps.close()
+
+
+def test_a_lora_on_a_sharded_text_encoder_whose_plan_packs_layers_is_refused():
+    """launcher/worker/lora_fuse.py: at tp > 1 (the mesh read from a weight's device_mesh), a transformers text
+    encoder whose tensor-parallel plan packs layers is refused rather than cut evenly; at tp=1 nothing is cut."""
+    from launcher.worker import lora_fuse
+
+    class Encoder(torch.nn.Module):  # a transformers model: a class plan, no load_lora_adapter
+        _tp_plan = {"layers.*.gate_up_proj": "packed_colwise"}
+
+        def __init__(self, chips: int):
+            super().__init__()
+            self.tp_plan = dict(self._tp_plan)
+            self.gate_up_proj = torch.nn.Linear(2, 4)
+            self.gate_up_proj.weight.device_mesh = types.SimpleNamespace(size=lambda: chips)
+
+    with pytest.raises(ValueError, match=r"^the text encoder's tensor-parallel plan packs layers.\*.gate_up_proj: "):
+        lora_fuse._packed_slices(Encoder(2))
+    assert lora_fuse._packed_slices(Encoder(1)) == {}
+
+
+def test_a_loras_non_finite_values_are_counted_in_its_float_tensors_only(tmp_path):
+    """launcher/worker/lora.py non_finite: (the first tensor with NaN or inf, its count, the file's count); integer
+    tensors (a step counter some trainers save) hold no such values."""
+    from safetensors.torch import save_file
+
+    from launcher.worker.lora import non_finite
+
+    clean = {"a.lora_A.weight": torch.ones(2, 3), "step": torch.tensor([7, 8], dtype=torch.int64)}
+    save_file(clean, str(tmp_path / "clean.safetensors"))
+    assert non_finite(tmp_path / "clean.safetensors") is None
+    bad = clean | {"b.lora_B.weight": torch.tensor([[float("nan"), float("inf")], [0.0, 1.0]])}
+    bad["c.lora_A.weight"] = torch.tensor([float("-inf")])
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    assert non_finite(tmp_path / "bad.safetensors") == ("b.lora_B.weight", 2, 3)
+
+
+# worker room, part lora (second)
+
+
+def _sweep_batches():
+    """Two chunks of prompts, each denoised at two variants (launcher/plan/sweep.py's order: a chunk's variants
+    follow it); chunk 1's second variant sweeps a LoRA scale, so its embeddings are its own."""
+    from jobs.text_to_image import Batch
+
+    two, one = (
+        [{"id": "0", "prompt": "a red fox"}, {"id": "1", "prompt": "a blue cat"}],
+        [{"id": "2", "prompt": "an owl"}],
+    )
+    return [
+        Batch(two, 2, (32, 32, 2, 2.5), [5, 6], chunk=0, variant=0, lora_scales=(0.5,)),
+        Batch(two, 2, (32, 32, 3, 4.0), [5, 6], chunk=0, variant=1, lora_scales=(0.5,)),
+        Batch(one * 2, 1, (32, 32, 2, 2.5), [7, 7], chunk=1, variant=0, lora_scales=(1.0,)),
+        Batch(one * 2, 1, (32, 32, 2, 2.5), [7, 7], chunk=1, variant=1, lora_scales=(0.25,)),
+    ]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_staged_and_swept_steps_make_each_batchs_own_images_encoding_each_chunk_once(staged, tiny_model):
+    """launcher/worker/staged.py: a sweep's batches of one chunk (and LoRA scales) share its embeddings, staged or
+    not, and "the images equal the unstaged ones": each batch's samples are exactly those of its own pipeline call
+    (the job's run_batch), also for the compile warm-up's step count. The text encoder runs once per chunk and
+    scales; each call is preceded by its batch's LoRA scales. Staged, the transformer is parked while the text
+    encoder encodes and the text encoder while the transformer denoises (and stays parked after the shard); within
+    the shard a call's end only resets the step cache's state."""
+    from diffusers import DiffusionPipeline
+
+    import jobs.text_to_image as job
+    from launcher.config import load_config
+    from launcher.worker import staged as module
+    from launcher.worker.residency import resident_bytes
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker runs (bitwise equal images)
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    cfg = load_config("tiny", [f"model.path={tiny_model}", f"execution.staged={str(staged).lower()}"])
+    warm = 1  # batch 1 is run as the warm-up runs it, with one step
+    want = [job.run_batch(pipe, b, cfg, warm if i == 1 else None) for i, b in enumerate(_sweep_batches())]
+    encoded, scales, resets, where = [], [], [], []
+    pipe.text_encoder.register_forward_hook(lambda *a: encoded.append(1))
+    pipe.transformer._reset_stateful_cache = lambda: resets.append(1)
+    try:
+        got = []
+        for b, step in module.shard_steps(pipe, _sweep_batches(), cfg, job, scales.append):
+            warm_up = b is not None and b.variant == 1 and b.chunk == 0
+            got += step(num_inference_steps=warm) if warm_up else step()
+            where.append((resident_bytes(pipe.text_encoder) > 0, resident_bytes(pipe.transformer) > 0))
+    finally:
+        swap = module._SWAPS.pop(id(pipe), None)
+        if swap is not None and swap.parked is not None:
+            from launcher.worker.residency import unpark
+
+            unpark(swap.parked)
+        torch.set_num_threads(threads)
+    assert [s["id"] for s in got] == [s["id"] for w in want for s in w]
+    for ours, theirs in zip(got, [s for w in want for s in w], strict=True):
+        assert ours["model"] == str(tiny_model) == theirs["model"], ours["id"]
+        assert np.array_equal(ours["pixels"], theirs["pixels"]), ours["id"]
+    assert len(encoded) == 3
+    if not staged:
+        assert scales == [(0.5,), (0.5,), (1.0,), (0.25,)] and where == [(True, True)] * 4
+        return
+    assert scales == [(0.5,), (1.0,), (0.25,)] + [(0.5,), (0.5,), (1.0,), (0.25,)]
+    assert where == [(True, False)] * 3 + [(False, True)] * 8  # 3 encodes, 4 denoise steps, 4 decodes
+    assert len(resets) == 4
+
+
+class _Transformer(torch.nn.Linear):
+    is_cache_enabled = True  # a step cache on: FLUX.2's calls run in its "cond" cache context
+
+    def __init__(self, log):
+        super().__init__(2, 2)
+        self.log = log
+
+    def cache_context(self, name):
+        import contextlib
+
+        @contextlib.contextmanager
+        def inside():
+            self.log.append(f"enter {name}")
+            yield
+            self.log.append(f"exit {name}")
+
+        return inside()
+
+
+class _Embeds:
+    """An embedding tensor that says where it is sent."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def to(self, device):
+        self.log.append(f"to {device}")
+        return self
+
+
+class Flux2Pipeline:
+    """Named as diffusers' FLUX.2 pipeline (the name finds the family: its own encoding, its cache context), with
+    an execution device that is not this CPU; it logs what each call is given."""
+
+    def __init__(self):
+        self.log, self.freed = [], []
+        self.text_encoder, self.transformer = torch.nn.Linear(2, 2), _Transformer(self.log)
+        self._execution_device = torch.device("meta")
+        self.components = {"transformer": self.transformer}
+
+    def encode_prompt(self, prompt, device, max_sequence_length=512):
+        self.log.append(f"encode {prompt} on {device}")
+        return _Embeds(self.log), None
+
+    def maybe_free_model_hooks(self):
+        self.freed.append(1)
+
+    def __call__(self, prompt=None, negative_prompt=None, prompt_embeds=None, height=None, width=None,
+                 num_inference_steps=None, guidance_scale=None, generator=None, max_sequence_length=None,
+                 output_type="pil"):  # fmt: skip
+        args = {k: v for k, v in locals().items() if k not in ("self", "generator") and v is not None}
+        self.log.append({k: (v if k != "prompt_embeds" else "embeds") for k, v in args.items()})
+        return types.SimpleNamespace(images="latents")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_staged_call_gets_the_embeddings_on_the_chip_in_the_cache_context_and_offload_frees_at_the_end(offload):
+    """launcher/worker/staged.py: embeddings wait in host memory between the stages and go to the pipeline's
+    execution device for its call, which gets them instead of the prompts (negative ones too), the warm-up's step
+    count, latents as its output (FLUX.2 decodes them itself later), inside the family's step-cache context. With
+    execution.offload=model nothing is parked (accelerate moves the models) and the pipeline's own "free the
+    models" runs once, at the shard's end (closing the steps early, as a stop does)."""
+    import jobs.text_to_image as job
+    from jobs.text_to_image import Batch
+    from launcher.config import load_config
+    from launcher.worker import staged as module
+    from launcher.worker.residency import resident_bytes
+
+    cfg = load_config("tiny", ["execution.staged=true", f"execution.offload={'model' if offload else 'none'}"])
+    rows = [{"id": "0", "prompt": "a fox", "negative_prompt": "blur"}]
+    # Another pipeline in this process (tools/bench/speed.py loads two) keeps its own parked model.
+    other = Flux2Pipeline()
+    first = module.shard_steps(other, [Batch(rows, 1, (32, 32, 4, 2.5), [5])], cfg, job)
+    next(first)[1]()
+    first.close()
+    pipe = Flux2Pipeline()
+    steps = module.shard_steps(pipe, [Batch(rows, 1, (32, 32, 4, 2.5), [5])], cfg, job)
+    try:
+        (none, encode), (batch, denoise) = next(steps), next(steps)
+        assert none is None and encode() == [] and batch is not None
+        resident = (resident_bytes(pipe.text_encoder) > 0, resident_bytes(pipe.transformer) > 0)
+        assert denoise(num_inference_steps=1) == [] and pipe.freed == []
+        call = {"prompt_embeds": "embeds", "height": 32, "width": 32}
+        call.update(num_inference_steps=1, guidance_scale=2.5, max_sequence_length=256, output_type="latent")
+        assert pipe.log == ["encode ['a fox'] on meta", "to cpu", "to meta", "enter cond", call, "exit cond"]
+    finally:
+        steps.close()
+        swap = module._SWAPS.pop(id(pipe), None)
+        module._SWAPS.pop(id(other), None)
+    assert pipe.freed == ([1] if offload else []) and other.freed == pipe.freed
+    assert resident_bytes(other.transformer) == (0 if not offload else 24)  # 2 x 2 weights and 2 biases, float32
+    assert resident == (True, True) if offload else resident == (False, True)
+    assert (swap is None) == offload
+
+
+def test_the_configured_loras_are_fused_at_their_scales_as_diffusers_fuses_them(loras):
+    """launcher/worker/lora_fuse.py fuse_configured: the load fuses `model.loras`, each file at its own scale, and
+    hands back what it fused (each LoRA's factors with its scale), for a later move to other scales. Every weight
+    then equals diffusers' load_lora_weights + fuse_lora of the same files and scales (tests/test_lora.py's)."""
+    from diffusers import DiffusionPipeline
+    from test_lora import lora_override
+
+    from launcher.config import load_config
+    from launcher.worker.lora_fuse import fuse_configured
+
+    model, files = loras("flux2")
+    cfg = load_config("tiny", [f"model.path={model}", lora_override(files)])
+    ours = DiffusionPipeline.from_pretrained(model)
+    fused = fuse_configured(ours, cfg)
+    assert [scale for _, scale in fused] == list(SCALES)
+    modules = FAMILY["flux2"][2]
+    assert all({c: sorted(m) for c, m in f.items()} == {c: sorted(n) for c, n in modules.items()} for f, _ in fused)
+    ref = diffusers_fused(model, files)
+    for part in ("transformer", "text_encoder"):
+        a, b = getattr(ours, part).state_dict(), getattr(ref, part).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b), part
+
+
+def test_an_unstaged_unswept_batch_is_one_call_of_the_jobs_run_batch():
+    """launcher/worker/staged.py: unstaged and with no sweep, each step is the job's own call of its batch (with the
+    warm-up's step count), whatever the family declares about its encoding; no LoRA scales are set."""
+    from jobs.text_to_image import Batch
+    from launcher.config import load_config
+    from launcher.worker.staged import shard_steps
+
+    def run_batch(pipe, b, cfg, num_inference_steps=None):
+        return [(b.chunk, num_inference_steps)]
+
+    pipe, rows = Flux2Pipeline(), [{"id": "0", "prompt": "a fox"}]
+    batches = [Batch(rows, 1, (32, 32, 4, 2.5), [5], chunk=c) for c in (0, 1)]
+    scales, job = [], types.SimpleNamespace(run_batch=run_batch)
+    got = [
+        (b, step(num_inference_steps=2))
+        for b, step in shard_steps(pipe, batches, load_config("tiny"), job, scales.append)
+    ]
+    assert got == [(batches[0], [(0, 2)]), (batches[1], [(1, 2)])] and scales == [None, None] and pipe.log == []

@@ -135,6 +135,8 @@ def factors(pipeline_class: str, file: Path, path: str) -> Factors:
             if "not found in the base model" in str(e) or "Target modules" in str(e):
                 continue  # no module of this component matches: judged over all components below
             raise LoraError(f"diffusers cannot read its {name} keys ({first})") from None
+        except IndexError:  # the text-encoder loader finds no rank when none of its keys names a layer of the model
+            continue  # judged over all components below, as PEFT's "not found" (the unmatched keys are refused)
         layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer) and "meshgen" in m.lora_A}
         for n, m in layers.items():
             if m.use_dora.get("meshgen") or m.lora_bias.get("meshgen") or not isinstance(m.base_layer, torch.nn.Linear):
