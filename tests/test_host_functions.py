@@ -3027,3 +3027,227 @@ def test_a_tpu_slice_may_leave_the_hosts_rank_and_address_to_torchtpu(env, refus
         check_host_env(2, "tpu")
     with pytest.raises(ConfigError, match="^mesh.nodes=2 needs NODE_RANK"):
         check_host_env(2, "cuda")  # the same variables mean nothing off a TPU
+
+
+# host room, part rest (second): the workers' server forked early (launcher/host/worker_start.py's _serve) and the
+# refusal of an unknown way to start workers.
+
+
+def _report_from_a_worker(path):
+    """A forkserver worker's target: what it was started with, written where the test reads it."""
+    import signal
+    import sys
+
+    seen = {
+        "late": os.environ.get("MESHGEN_TEST_SET_AFTER_THE_FORK"),
+        "parent": os.getppid(),
+        "preloaded": "tabnanny" in sys.modules,
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    }
+    Path(path).write_text(json.dumps(seen))
+
+
+def test_the_workers_server_forked_early_serves_what_it_is_sent_and_ends_without_returning_to_the_launcher(
+    tmp_path, monkeypatch
+):
+    """worker_start.py: the server forked from the launcher waits for the environment the launcher completes later
+    (here a variable set after the fork), then is multiprocessing's forkserver with PRELOAD imported: each worker
+    forks from it (its parent), sees that environment, the preloaded modules and a fresh interpreter's Ctrl-C
+    (KeyboardInterrupt). Ended before it is handed over
+    (nothing to generate), the server exits: `_serve` never returns, so no copy of the launcher goes on running its
+    caller's code. PRELOAD is a module this process has not imported (launcher.worker.preload costs seconds); the
+    session's other threads (servers of earlier tests) are not this test's: the server is forked all the same."""
+    import multiprocessing
+    import sys
+    import threading
+
+    import psutil
+
+    import launcher.host.worker_start as worker_start
+
+    assert "tabnanny" not in sys.modules
+    monkeypatch.setattr(worker_start, "PRELOAD", ["tabnanny"])
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    forkserver = multiprocessing.forkserver._forkserver
+    monkeypatch.setattr(forkserver, "_preload_modules", forkserver._preload_modules)
+    monkeypatch.delenv("MESHGEN_TEST_SET_AFTER_THE_FORK", raising=False)
+    launcher, escaped = os.getpid(), tmp_path / "escaped"
+
+    try:
+        with worker_start.server_forked_early("forkserver"):
+            server = worker_start._early["pid"]
+    finally:
+        if os.getpid() != launcher:  # the server, gone on into this test's code
+            escaped.write_text("")
+            os._exit(0)
+    assert not escaped.exists() and not psutil.pid_exists(server)
+
+    report = tmp_path / "worker.json"
+    with worker_start.server_forked_early("forkserver"):
+        server = worker_start._early["pid"]
+        monkeypatch.setenv("MESHGEN_TEST_SET_AFTER_THE_FORK", "yes")
+        with worker_start.preloaded_forkserver():
+            worker = multiprocessing.get_context("forkserver").Process(target=_report_from_a_worker, args=(report,))
+            worker.start()
+            worker.join(timeout=30)
+    assert worker.exitcode == 0
+    assert json.loads(report.read_text()) == {"late": "yes", "parent": server, "preloaded": True, "sigint_raises": True}
+
+
+def test_an_unknown_way_to_start_workers_is_refused_naming_the_value_and_the_ways(monkeypatch):
+    """DESIGN: an error names what is wrong. MESHGEN_WORKER_START takes `subprocess` or `forkserver`."""
+    from launcher.host.worker_start import START_ENV, start_method
+
+    monkeypatch.setenv(START_ENV, "spawn")
+    with pytest.raises(ConfigError) as refused:
+        start_method("cpu", 1)
+    assert (
+        str(refused.value)
+        == "MESHGEN_WORKER_START='spawn' is not a way to start workers; use one of subprocess, forkserver"
+    )
+
+
+def test_a_workers_line_reaches_the_terminal_as_its_file_has_it(capsys):
+    """terminal.py: the tailers hand each kept line, with its newline, to tqdm.write, which prints it above the bar
+    and ends it itself: the line is printed as the worker wrote it, only the newline not doubled."""
+    from launcher.host.terminal import _BarSafe
+
+    lines = ["[rank1] 12:00:00 WARNING launcher.worker.lora: no layer matches the keys of style-X", "  indented\t "]
+    for line in lines:
+        _BarSafe().write(f"{line}\n")
+    assert capsys.readouterr().err == "".join(f"{line}\n" for line in lines)
+
+
+@pytest.mark.parametrize("verbose", ["1", None])
+def test_meshgen_verbose_1_shows_every_workers_line_on_the_terminal(verbose, tmp_path, capsys, monkeypatch):
+    """terminal.py: MESHGEN_VERBOSE=1 shows every line of every rank; without it a routine line stays in the file."""
+    from launcher.host.terminal import WorkerLogs
+    from launcher.ledger.store import Store
+
+    if verbose is None:
+        monkeypatch.delenv("MESHGEN_VERBOSE", raising=False)
+    else:
+        monkeypatch.setenv("MESHGEN_VERBOSE", verbose)
+    routine = "[rank0] 12:00:00 INFO launcher.worker.runner: a routine line"
+    with WorkerLogs(Store(str(tmp_path / "out")), "run-1") as logs:
+        dest = logs.specs.reify({0: {"RANK": "0"}})
+        capsys.readouterr()
+        Path(dest.stderrs[0]).write_text(f"{routine}\n")
+    assert capsys.readouterr().err.splitlines() == ([routine] if verbose else [])
+
+
+def test_the_worker_logs_of_a_bucket_are_written_in_the_temporary_folder_and_leave_nothing_here(tmp_path, monkeypatch):
+    """terminal.py: on an object store the files are written locally and uploaded at the end: in the temporary
+    folder (TMPDIR), never in the working folder under the bucket's path, and removed once uploaded. The bucket is
+    stood in for."""
+    import tempfile
+    from types import SimpleNamespace as NS
+
+    from launcher.host.terminal import WorkerLogs
+
+    uploaded = {}
+    bucket = NS(
+        is_local=False,
+        path=lambda rel: f"a-bucket/run/{rel}",
+        url=lambda rel: f"s3://a-bucket/run/{rel}",
+        write_bytes=uploaded.__setitem__,
+    )
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with WorkerLogs(bucket, "run-2", verbose=False) as logs:
+        assert logs.folder.resolve().is_relative_to(Path(tempfile.gettempdir()).resolve())
+        Path(logs.specs.reify({0: {"RANK": "1"}}).stderrs[0]).write_text("a line\n")
+    assert uploaded["logs/run-2/rank-1.log"] == b"a line\n"
+    assert not logs.folder.exists() and list(here.iterdir()) == []
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_the_progress_bar_looks_at_a_local_output_each_second_and_at_an_object_store_every_ten(local):
+    """summary.py Progress: each look lists the output's states (one listing: requests, on an object store); a
+    local folder is looked at once a second, an object store every 10 s. In 1.8 s: one look or more here, none
+    there, until the end's own look. The ledger is stood in for."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from launcher.host.summary import Progress
+
+    looks = []
+    ledger = NS(store=NS(is_local=local), refresh=lambda: looks.append(1) or {})
+    with Progress(ledger, 10, "r"):
+        time.sleep(1.8)
+        seen = len(looks)
+    assert (seen >= 1) if local else (seen == 0)
+    assert len(looks) == seen + 1
+
+
+def test_a_runs_record_and_summary_name_its_failed_shard_its_held_one_and_how_to_finish(tmp_path, monkeypatch):
+    """summary.py: a selected shard that failed makes the run 3 and the summary's `not done:` line says how to
+    finish (the same command), though no shard is pending; a shard held after run.max_attempts failures is the
+    record's `not_retried` and has its line, which names no samples and no words its state lacks. The record's
+    run time and start-up are to the hundredth of a second (the wall clock is stood in for: 12.3456 s of run,
+    the first shard began 1.2345 s after the launch)."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from launcher.host import summary
+    from launcher.ledger.store import Store
+
+    end = 1_700_000_000.0
+    clock = NS(monotonic=lambda: 112.3456, time=lambda: end, strftime=time.strftime, localtime=time.localtime)
+    monkeypatch.setattr(summary, "time", clock)
+    states = {
+        0: {"status": "done", "rows": 4, "run_id": "r", "prompts_fingerprint": "f0", "started_at": end - 11.1111},
+        1: {"status": "failed", "run_id": "r", "error_class": "OSError", "error": "OSError: gone"},
+        3: {"status": "failed", "attempts": 3, "error_class": "ValueError", "error": None, "samples": None},
+    }
+    shards = [NS(index=i, status="pending", fingerprint=f"f{i}", seen=None) for i in range(4)]
+    plan = NS(shards=shards, selected=[0, 1], held=[3], rejected=[])
+    rerun = ["launch.sh", "conf=tiny"]
+    lines, record = summary.summarize(Store(str(tmp_path)), NS(refresh=lambda: states), plan, "r", 100.0, 0, rerun)
+    assert record["exit_code"] == 3
+    assert record["not_done"] == {"failed": [1], "pending": [], "held_by_other_runs": [], "not_retried": [3]}
+    assert record["seconds"] == 12.35 and record["startup_s"] == 1.23
+    assert lines[-2:] == [
+        "not retried: shards [3] failed 3 times in a row with the same error (shard 3: ValueError: ); a rerun fails "
+        "them again: fix the row(s), then run launch.sh conf=tiny run.shards=failed",
+        "not done: failed shards [1]; finish them with the same command: launch.sh conf=tiny",
+    ]
+
+
+def test_a_summarys_list_of_shards_names_twenty_and_then_how_many_in_all():
+    from launcher.host.summary import _short
+
+    assert _short(list(range(20))) == str(list(range(20)))
+    assert _short(list(range(21))) == f"{str(list(range(20)))[:-1]}, ... (21 in all)]"
+
+
+def test_the_run_record_names_the_checkout_the_code_is_in_and_a_git_that_hangs_costs_at_most_5_s(tmp_path, monkeypatch):
+    """The record's `code`: `git describe --always --dirty` of the checkout holding launcher/ (not of a folder
+    above it); a git that never answers (a hung network file system) leaves it None within its 5 s bound."""
+    import subprocess
+    import threading
+
+    from launcher.host import summary
+
+    checkout = tmp_path / "checkout"
+    (checkout / "launcher" / "host").mkdir(parents=True)
+    (checkout / "launcher" / "host" / "summary.py").write_text("")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(summary, "__file__", str(checkout / "launcher" / "host" / "summary.py"))
+    assert head and summary.code_version() == head
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "git").write_text("#!/bin/sh\nexec sleep 30\n")
+    (bin_ / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    found = []
+    asking = threading.Thread(target=lambda: found.append(summary.code_version()), daemon=True)
+    asking.start()
+    asking.join(timeout=15)
+    assert found == [None]
