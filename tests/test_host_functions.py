@@ -3222,9 +3222,12 @@ def test_a_summarys_list_of_shards_names_twenty_and_then_how_many_in_all():
     assert _short(list(range(21))) == f"{str(list(range(20)))[:-1]}, ... (21 in all)]"
 
 
-def test_the_run_record_names_the_checkout_the_code_is_in_and_a_git_that_hangs_costs_at_most_5_s(tmp_path, monkeypatch):
+def test_the_run_record_names_the_checkout_the_code_is_in_and_a_git_that_hangs_costs_at_most_its_bound(
+    tmp_path, monkeypatch
+):
     """The record's `code`: `git describe --always --dirty` of the checkout holding launcher/ (not of a folder
-    above it); a git that never answers (a hung network file system) leaves it None within its 5 s bound."""
+    above it); a git that never answers (a hung network file system) leaves it None within its bound (5 s; 0.2 s
+    here)."""
     import subprocess
     import threading
 
@@ -3246,8 +3249,341 @@ def test_the_run_record_names_the_checkout_the_code_is_in_and_a_git_that_hangs_c
     (bin_ / "git").write_text("#!/bin/sh\nexec sleep 30\n")
     (bin_ / "git").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(summary, "GIT_TIMEOUT_S", 0.2)
     found = []
     asking = threading.Thread(target=lambda: found.append(summary.code_version()), daemon=True)
     asking.start()
     asking.join(timeout=15)
     assert found == [None]
+
+
+# --- host room, part rest: the hosts' agreement and watch, and the metrics textfile
+# (launcher/host/{agreement,metrics,peers}.py).
+
+
+def test_a_difference_names_values_of_40_characters_whole_and_counts_only_the_keys_past_8():
+    """agreement.py's words: a value past 40 characters is cut to 12 and "...", one of 40 is named whole; at most 8
+    keys are named and "and N more" follows only where more differ; each host's line is joined to the next by "; "."""
+    from launcher.host.agreement import differences
+
+    assert differences({"k": "x" * 40}, {"k": "y" * 40}) == f"k {'x' * 40} != {'y' * 40}"
+    assert differences({"k": "x" * 41}, {"k": "y" * 41}) == f"k {'x' * 12}... != {'y' * 12}..."
+    eight = {f"k{i}": i for i in range(8)}
+    said = differences({k: -1 for k in eight}, eight)
+    assert said.endswith("k7 -1 != 7") and "more" not in said
+    job = {"generate.seed": 1}
+    line = (
+        "host 1's settings differ from host 0's: generate.seed 2 != 1; host 2's settings differ from host 0's: "
+        "generate.seed 3 != 1; start every host with the same job"
+    )
+    assert agree_all([job, {"generate.seed": 2}, {"generate.seed": 3}]) == [line] * 3
+
+
+def test_the_first_host_keeps_its_store_up_until_every_host_has_read_a_difference():
+    """agreement.py: the others read host 0's job through host 0's store, so on a difference host 0 raises only once
+    every host has compared (or READ_FOR_S passed); a host that ended at once would leave the others a store that
+    stopped answering instead of the difference's line."""
+    import threading
+    import time
+
+    from torch.distributed import HashStore
+
+    from launcher.host.agreement import agree
+    from launcher.host.peers import key
+
+    store, said = HashStore(), []
+    store.set(key(1, "job"), json.dumps({"generate.seed": 2}))  # host 1 published its job, and has not compared yet
+
+    def first() -> None:
+        with pytest.raises(ConfigError) as e:
+            agree(store, 0, 2, {"generate.seed": 1})
+        said.append(str(e.value))
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(0.6)
+    assert t.is_alive() and not said  # waits for host 1
+    store.set(key(1, "compared"), "1")
+    t.join(timeout=10)
+    assert said == ["host 1's settings differ from host 0's: generate.seed 2 != 1; start every host with the same job"]
+
+
+def test_the_job_the_hosts_compare_holds_every_setting_of_the_quality_run_execution_and_job_groups():
+    """agreement.py's words: not fingerprinted, but each host's workers write with their own: the scores (quality),
+    the rows read, the execution, the job; a host started with another of them differs."""
+    from launcher.config import load_config
+    from launcher.host.agreement import job_of
+
+    base = job_of(load_config("tiny"))
+    other = job_of(
+        load_config("tiny", ["quality.clip_score=true", "run.max_attempts=5", "execution.release_text_encoder=false"])
+    )
+    assert {k for k in base if base[k] != other.get(k)} == {
+        "config.quality.clip_score",
+        "config.run.max_attempts",
+        "config.execution.release_text_encoder",
+    }
+    assert base["config.job"] == "text_to_image"
+
+
+def test_the_runs_numbers_keep_milliseconds_and_hundredths_of_the_run_and_a_rate_under_a_second():
+    """metrics.py's numbers as the run record and the textfile give them: seconds summed to the millisecond from
+    states that keep 4 decimals (runner.py), the rate to 3 decimals, the run's seconds to hundredths; a run of half a
+    second has a rate."""
+    from launcher.host.metrics import numbers
+
+    ours = {
+        0: {"status": "done", "rows": 10, "seconds": 1.1111, "stages": {"denoise": 0.1111}},
+        1: {"status": "failed", "rows": 2, "seconds": 2.2222, "stages": {"denoise": 0.2222}},
+    }
+    got = numbers(ours, 2.3456)
+    assert (got["shard_seconds_sum"], got["stage_seconds"], got["run_seconds"]) == (3.333, {"denoise": 0.333}, 2.35)
+    assert got["images_per_second"] == 4.263  # 10 / 2.3456 = 4.26330...
+    assert numbers(ours, 0.5)["images_per_second"] == 20.0
+
+
+def test_the_textfile_makes_its_folders_and_says_when_it_was_written_to_the_millisecond(tmp_path, monkeypatch):
+    """metrics.py: `meshgen_last_update_timestamp_seconds`, when this file was written (Unix time); PATH's folders are
+    made as needed."""
+    import time
+    from types import SimpleNamespace
+
+    from launcher.host import metrics
+
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: 1_700_000_000.123456, monotonic=time.monotonic))
+    path = tmp_path / "a" / "b" / "meshgen.prom"
+    metrics.write_textfile(path, "/out", "r1", metrics.numbers({}, 1.0), 4)
+    lines = path.read_text().splitlines()
+    assert 'meshgen_last_update_timestamp_seconds{output="/out",run_id="r1"} 1700000000.123' in lines
+    assert "# TYPE meshgen_last_update_timestamp_seconds gauge" in lines
+
+
+def test_output_metrics_plans_every_image_of_the_selected_prompts_and_labels_them_with_the_output(tmp_path):
+    """metrics.py: output.metrics's file is written at the start, its samples planned = the selected shards' prompts
+    x images_per_prompt x the sweep's variants, labelled with the output; no file where output.metrics is unset."""
+    from launcher.host.metrics import metrics_file
+    from launcher.plan.plan import Plan, ShardPlan
+
+    shards = [ShardPlan(0, 2, "a", "pending"), ShardPlan(1, 3, "b", "pending"), ShardPlan(2, 4, "c", "done")]
+    plan = Plan(shards, [0, 1], [])  # shards 0 and 1 selected: 5 prompts
+    gen = {"images_per_prompt": 2, "sweep": {"guidance_scale": [1.0, 2.0, 3.0]}}
+    path = tmp_path / "meshgen.prom"
+    cfg = OmegaConf.create({"output": {"metrics": str(path)}, "generate": gen})
+    assert metrics_file(cfg, "/data/out", plan, "r1", 0.0) is not None
+    assert 'meshgen_samples_planned{output="/data/out",run_id="r1"} 30' in path.read_text().splitlines()  # 5 x 2 x 3
+    assert metrics_file(OmegaConf.create({"output": {"metrics": ""}, "generate": gen}), "/o", plan, "r", 0.0) is None
+
+
+def test_a_hosts_watch_reads_every_other_host_also_past_one_that_said_bye(quick_peers):
+    """peers.py: a host that said `bye` ended; the hosts after it in the watch's round are still read each beat, so
+    one that beats on is never taken for lost."""
+    import time
+
+    peers, port = quick_peers
+    with peers.PeerWatch(0, 3, "127.0.0.1", port) as first, peers.PeerWatch(2, 3, "127.0.0.1", port):
+        second = peers.PeerWatch(1, 3, "127.0.0.1", port).__enter__()
+        until(lambda: {1, 2} <= set(first._seen))
+        second.__exit__(None, None, None)  # host 1 ends: says bye; host 2 beats on
+        until(lambda: 1 in first._said_bye)
+        time.sleep(2 * peers.LOST_AFTER_S)
+        assert first.lost is None and 2 in first._seen
+
+
+def test_a_host_rides_out_one_failed_store_call_and_names_the_error_of_a_store_that_stays_down(
+    quick_peers, monkeypatch
+):
+    """peers.py: the first host is lost when its store stays unreachable for LOST_AFTER_S, not at one call that
+    fails; the loss names the error the store calls raise."""
+    import time
+
+    from torch.distributed import TCPStore
+
+    peers, port = quick_peers
+    served = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)  # host 0's
+    failing = {"calls": 0}
+
+    class Flaky:
+        """The first host's store, whose calls fail while failing["calls"] > 0 (each failure counts one down)."""
+
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            def call(*args):
+                if failing["calls"] > 0:
+                    failing["calls"] -= 1
+                    raise ConnectionResetError("the store went away")
+                return getattr(self.store, name)(*args)
+
+            return call
+
+    real = peers.connect
+    monkeypatch.setattr(peers, "connect", lambda *a: Flaky(real(*a)))
+    with peers.PeerWatch(1, 2, "127.0.0.1", port) as second:
+        until(lambda: second._store is not None)
+        failing["calls"] = 1
+        until(lambda: failing["calls"] == 0)
+        time.sleep(0.3)  # beats go on after the one failure
+        assert second.lost is None
+        failing["calls"] = 10**9
+        until(lambda: second.lost is not None)
+    assert second.lost == f"the first host (127.0.0.1:{port}) stopped answering (ConnectionResetError)"
+    del served
+
+
+def test_a_host_started_before_the_first_waits_for_its_store(quick_peers):
+    """peers.py: a host waits up to CONNECT_FOR_S (900 s, torch's own join timeout) for the first host's store."""
+    import time
+
+    peers, port = quick_peers
+    with peers.PeerWatch(1, 2, "127.0.0.1", port) as second:
+        time.sleep(1.0)  # several tries find nothing yet
+        with peers.PeerWatch(0, 2, "127.0.0.1", port):
+            until(lambda: 0 in second._seen)
+        assert second.lost is None
+
+
+def test_the_first_hosts_watch_serves_through_the_store_the_agreement_already_serves(quick_peers):
+    """agreement.py and peers.py: the first host's agreement serves the job's store on MASTER_PORT and keeps it up
+    while the watch (and torch's agent) start: the watch's server shares that port (multi-tenant)."""
+    from torch.distributed import TCPStore
+
+    peers, port = quick_peers
+    agreement = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    with peers.PeerWatch(0, 2, "127.0.0.1", port) as first, peers.PeerWatch(1, 2, "127.0.0.1", port):
+        until(lambda: 1 in first._seen)
+    assert agreement.add(peers.key(0, "beat"), 0) > 0
+
+
+def test_a_try_to_reach_the_first_host_is_bounded_where_its_address_drops_connections():
+    """peers.py's connect: polled with plain connects until `until`; a host whose SYNs go unanswered (here: a
+    listener whose queue is full) costs each try its 2 s bound, not the system's minutes."""
+    import socket
+    import threading
+    import time
+
+    from launcher.host.peers import connect
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port, held = listener.getsockname()[1], []
+    for _ in range(4):  # fill its queue: the kernel drops the SYNs of later connects
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        held.append(s)
+    got = []
+    t = threading.Thread(target=lambda: got.append(connect("127.0.0.1", port, lambda: False, time.monotonic() + 0.2)))
+    try:
+        t.start()
+        t.join(timeout=10)
+        assert got == [None]
+    finally:
+        for s in (*held, listener):
+            s.close()
+
+
+def settled(monkeypatch, lost_after_s: float, feed=None, lose_at: float | None = None, lost: str | None = None):
+    """PeerWatch.settle() of host 0 of 2, its watch played here: `feed(watch, t0)` runs beside it (filling `_seen`
+    as the watch would), the loss shows `lose_at` s after the call; (what settle said, its seconds)."""
+    import threading
+    import time
+
+    from launcher.host import peers
+
+    monkeypatch.setattr(peers, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(peers, "LOST_AFTER_S", lost_after_s)
+    watch = peers.PeerWatch(0, 2, "127.0.0.1", 1)
+    watch.lost = lost
+    watch._seen[1] = (7, time.monotonic() - 0.5)  # its last beat, seen before the workers failed
+    t0, stop = time.monotonic(), threading.Event()
+
+    def play() -> None:
+        if feed is not None:
+            feed(watch, t0, stop)
+        if lose_at is not None:
+            time.sleep(max(0.0, t0 + lose_at - time.monotonic()))
+            watch.lost = "host 1 (node rank 1) stopped answering"
+
+    threading.Thread(target=play, daemon=True).start()
+    said = watch.settle()
+    stop.set()
+    return said, time.monotonic() - t0
+
+
+def test_settle_is_at_once_a_failure_of_ours_while_the_other_host_beats_on(monkeypatch):
+    """peers.py's settle: every other host's beat seen to change twice since: alive, the failure was ours (None), as
+    soon as that is seen, not at the deadline (LOST_AFTER_S + 2 beats)."""
+    import time
+
+    def beats(watch, t0, stop):
+        value = 7
+        while not stop.is_set():
+            value += 1
+            watch._seen[1] = (value, time.monotonic())
+            time.sleep(0.02)
+
+    said, seconds = settled(monkeypatch, 4.0, beats)
+    assert said is None and seconds < 2.0
+
+
+def test_settle_waits_for_a_silent_host_to_be_lost_even_past_lost_after_s(monkeypatch):
+    """peers.py's settle: a host that does not beat is lost by the watch within LOST_AFTER_S, which settle waits for
+    (up to LOST_AFTER_S + 2 beats); a host seen to beat only once more may be the last beat of one that just died,
+    so that is no answer yet either; a loss already seen is said at once."""
+    import time
+
+    said, _ = settled(monkeypatch, 1.0, lose_at=1.0)  # silent: lost after LOST_AFTER_S, before its 2 beats more
+    assert said == "host 1 (node rank 1) stopped answering"
+
+    def one_beat(watch, t0, stop):
+        time.sleep(0.15)
+        watch._seen[1] = (8, time.monotonic())
+
+    said, _ = settled(monkeypatch, 1.0, one_beat, lose_at=0.8)
+    assert said == "host 1 (node rank 1) stopped answering"
+    said, seconds = settled(monkeypatch, 4.0, lost="host 1 (node rank 1) stopped answering")
+    assert said == "host 1 (node rank 1) stopped answering" and seconds < 1.0
+
+
+def test_a_loss_stops_the_workers_only_while_the_agent_runs_and_then_releases_the_agents_exit_barrier():
+    """peers.py: a loss is this launcher's SIGTERM (the agent stops its workers) only inside agent(); before or after
+    it the launcher acts on `lost` itself. The first loss is the one said, and none after the watch closed. With the
+    SIGTERM, the agents' exit barrier (torch's, under torchrun's default rendezvous id) is released for the lost
+    host, so a host whose workers are done stops waiting."""
+    import signal
+    import threading
+
+    from torch.distributed import HashStore, PrefixStore
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import barrier
+
+    from launcher.host.peers import RDZV_ID, PeerWatch
+
+    signals: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda sig, frame: signals.append(sig))
+    try:
+        watch = PeerWatch(0, 2, "127.0.0.1", 1)
+        watch._store = HashStore()
+        watch._lose("host 1 (node rank 1) stopped answering")
+        assert watch.lost == "host 1 (node rank 1) stopped answering" and signals == []  # no agent yet
+        watch.lost = None
+        done = threading.Event()
+        agent_store = PrefixStore(RDZV_ID, watch._store)  # this host's agent, its workers done, waits for the other
+        waiting = threading.Thread(
+            target=lambda: (barrier(agent_store, 2, _TERMINAL_STATE_SYNC_ID, barrier_timeout=20), done.set())
+        )
+        waiting.start()
+        with watch.agent():
+            watch._lose("host 1 (node rank 1) stopped answering")
+            watch._lose("the first host (127.0.0.1:1) stopped answering (DistNetworkError)")
+        waiting.join(timeout=10)
+        assert signals == [signal.SIGTERM] and done.is_set()
+        assert watch.lost == "host 1 (node rank 1) stopped answering"
+        closed = PeerWatch(1, 2, "127.0.0.1", 1)
+        closed.__exit__(None, None, None)
+        closed._lose("the first host's store (127.0.0.1:1) never answered")
+        assert closed.lost is None
+    finally:
+        signal.signal(signal.SIGTERM, old)

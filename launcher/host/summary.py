@@ -28,6 +28,8 @@ from launcher.sources.rejected import rel as rejected_rel
 
 logger = logging.getLogger(__name__)
 
+GIT_TIMEOUT_S = 5  # code_version's bound on `git describe`
+
 
 class Progress:
     """A tqdm bar over the run's samples, fed by refreshing the ledger every few seconds (one listing each)."""
@@ -91,14 +93,12 @@ class Progress:
 
 
 def code_version() -> str | None:
+    """`git describe` of the checkout holding launcher/, or None: no git, no checkout, or a git that does not answer
+    within GIT_TIMEOUT_S (a hung network file system must not hold up the run's record)."""
     try:
         root = Path(__file__).resolve().parents[2]
-        return (
-            subprocess.run(
-                ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
+        git = ["git", "-C", str(root), "describe", "--always", "--dirty"]
+        return subprocess.run(git, capture_output=True, text=True, timeout=GIT_TIMEOUT_S).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
