@@ -1731,7 +1731,8 @@ def test_the_index_inflates_to_its_limit_and_no_further_and_is_written_only_when
 def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_stay(tmp_path, monkeypatch):
     """launcher/ledger/states.py clean_tmp: a temporary name carries its writer's host and pid. This host's
     leftovers go when their pid is dead; another host's (a folder shared over NFS) only once unchanged for the
-    lock's STALE_S by the store's clock; only the asked shard's, or every shard's; files and image folders."""
+    lock's STALE_S by the store's clock; only the asked shard's, or every shard's; files and image folders, and a
+    claim's write cut short (tests/test_faults.py's lost host left one in a clean clone's make test)."""
     import os
     import time
 
@@ -1750,6 +1751,11 @@ def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_
         "data/.shard-00001.parquet.tmp-{h}-{p}#recent": ("other-node", dead_pid),
         "data/.shard-00001.parquet.tmp-{h}-{p}#old": ("old-node", dead_pid),  # another host's, old
         "data/.shard-00001.parquet.tmp-{p}": ("", dead_pid),  # a name from before hosts were in it
+        # a claim's write cut short (a host killed mid-claim): claims/shard-<i>/.g<N>.json.tmp-<host>-<pid>
+        "claims/shard-00001/.g00000.json.tmp-{h}-{p}": (HOST, dead_pid),
+        "claims/shard-00001/.g00001.json.tmp-{h}-{p}": (HOST, os.getpid()),
+        "claims/shard-00002/.g00000.json.tmp-{h}-{p}": (HOST, dead_pid),
+        "claims/shard-00001/g00000.json": (HOST, dead_pid),  # a claim, not a temporary file
     }
     paths = {}
     for pattern, (h, p) in names.items():
@@ -1769,11 +1775,16 @@ def test_leftovers_of_dead_writers_go_and_live_ones_and_other_hosts_recent_ones_
         "state/.shard-00001.json.tmp-{h}-{p}",
         "webdataset/.shard-00002.tar.tmp-{h}-{p}",  # not shard 1's
         "data/.shard-00001.parquet.tmp-{h}-{p}#recent",
+        "claims/shard-00001/.g00001.json.tmp-{h}-{p}",
+        "claims/shard-00002/.g00000.json.tmp-{h}-{p}",
+        "claims/shard-00001/g00000.json",
     }
     clean_tmp(store)  # every shard's
     assert {k for k, p in paths.items() if p.exists()} == {
         "state/.shard-00001.json.tmp-{h}-{p}",
         "data/.shard-00001.parquet.tmp-{h}-{p}#recent",
+        "claims/shard-00001/.g00001.json.tmp-{h}-{p}",
+        "claims/shard-00001/g00000.json",
     }
 
 

@@ -286,8 +286,10 @@ def clean_tmp(store: Store, shard_index: int | None = None) -> None:
     if not store.is_local:
         return
     name = "shard-" if shard_index is None else f"shard-{shard_index:05d}"
-    for folder in (DATA_DIR, STATE_DIR, IMAGES_DIR, WDS_DIR):
-        for p in store.local(folder).glob(f".{name}*{TMP_MARK}*"):
+    globs = [(folder, f".{name}*{TMP_MARK}*") for folder in (DATA_DIR, STATE_DIR, IMAGES_DIR, WDS_DIR)]
+    globs.append((CLAIMS_DIR, f"{name}*/.*{TMP_MARK}*"))  # a claim's write cut short: claims/shard-<i>/.g<N>.json.tmp-
+    for folder, pattern in globs:
+        for p in store.local(folder).glob(pattern):
             # the first mark ends the shard's own name; a host name may hold one too (node.tmp-cluster)
             host, _, pid = p.name.split(TMP_MARK, 1)[1].rpartition("-")
             if host in (HOST, "") and pid.isdigit():  # "": a name from before hosts were in it
