@@ -2832,62 +2832,6 @@ def test_a_job_over_several_hosts_without_this_hosts_rank_or_the_first_hosts_add
     assert "'--master-addr=$MASTER_ADDR'" in torchrun
 
 
-def test_a_row_of_a_bad_size_set_aside_by_bad_rows_skip_stays_aside_in_the_workers_plan_and_after_an_overwrite(
-    launcher_main, tiny_model, tmp_path, capsys, monkeypatch
-):
-    """DESIGN: with `dataset.bad_rows=skip` a row that cannot be generated goes to rejected/<run id>.parquet with
-    its reason, and the rest is generated; sizes must be within the family's limits (the tiny model's: multiples of
-    16). A jsonl of 3 rows, the second 65 pixels high: the workers' plan (plans/<run id>.arrow) holds the other two,
-    the run is exit 0, and its rejected file names the row; the same with run.overwrite=true over that folder."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from launcher.host import launch
-    from launcher.host.worker_start import START_ENV
-
-    monkeypatch.setenv(START_ENV, "subprocess")
-    prompts, out = tmp_path / "p.jsonl", tmp_path / "out"
-    rows = [{"prompt": "a"}, {"prompt": "b", "height": 65}, {"prompt": "c", "height": 32}]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    seen = []
-
-    def workers(cfg, plan_, logs=None):
-        run_id = os.environ["MESHGEN_RUN_ID"]
-        with pa.OSFile(str(out / "plans" / f"{run_id}.arrow")) as f:
-            table = pa.ipc.open_file(f).read_all()
-        fingerprint = json.loads(table.schema.metadata[b"meshgen_plan"])["shards"][0][1]
-        seen.append((run_id, table.column("prompt").to_pylist()))
-        (out / "state").mkdir(exist_ok=True)
-        done = {"status": "done", "rows": 2, "run_id": run_id, "prompts_fingerprint": fingerprint, "files": {}}
-        (out / "state" / "shard-00000.json").write_text(json.dumps(done))
-        return 0
-
-    monkeypatch.setattr(launch, "run_hosts", workers)
-    args = ["conf=tiny", f"model.path={tiny_model}", f"output.dir={out}", f"dataset.path={prompts}"]
-    args.append("dataset.bad_rows=skip")
-    for again in ([], ["run.overwrite=true"]):
-        assert launcher_main([*args, *again]) == 0, capsys.readouterr().err[-2000:]
-        run_id, planned = seen[-1]
-        assert planned == ["a", "c"]
-        rejected = pq.read_table(out / "rejected" / f"{run_id}.parquet").to_pylist()
-        assert [(r["file"], r["line"], r["position"]) for r in rejected] == [(str(prompts), 2, 1)]
-        assert "height 65" in rejected[0]["reason"]
-    assert len(seen) == 2
-
-
-@pytest.mark.parametrize(
-    ("nodes", "rank", "overwrite", "selected", "remote", "start", "books"),
-    [
-        (1, None, False, [0], False, "forkserver", True),
-        (1, None, False, [], False, "subprocess", True),  # nothing to generate: no worker starts
-        (1, None, True, [], False, "forkserver", True),  # run.overwrite plans again, after the fork
-        (2, "0", False, [0], False, "forkserver", True),
-        (2, "0", False, [], False, "subprocess", True),
-        (2, "1", False, None, False, "forkserver", False),  # another host: its workers always start
-        (1, None, False, [0], True, "subprocess", True),  # an object store's client is open: a fresh server
-        (2, "1", False, None, True, "subprocess", False),
-    ],
-)
 def test_the_workers_server_is_forked_early_only_where_workers_start_and_no_store_client_is_open(
     nodes, rank, overwrite, selected, remote, start, books, monkeypatch
 ):

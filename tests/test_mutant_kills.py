@@ -3717,17 +3717,8 @@ def test_the_writer_processs_encoders_are_as_many_as_asked_die_with_it_and_are_g
     from test_runtime_bounds import _samples as samples
 
     from launcher.config import load_config
-    from launcher.writer import writer_process as wp
 
-    real = wp.die_with_parent
-
-    def not_this_process(parent):  # this process stands for the writer process: its encoders get the real one
-        monkeypatch.setattr(wp, "die_with_parent", real)
-
-    monkeypatch.setattr(wp, "die_with_parent", not_this_process)
-    monkeypatch.setattr(wp.os, "nice", lambda n: None)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(wp, "_OUT", {})
+    wp = _writer_process_here(monkeypatch)
     monkeypatch.setattr(wp, "_STREAMS", {})
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # a host of more cores than the encoders asked for
     plain = types.SimpleNamespace(**OmegaConf.to_container(load_config("tiny").output, resolve=True))
@@ -3881,17 +3872,8 @@ def test_the_writer_processs_encoders_are_fresh_interpreters_not_copies_of_it(tm
     import sys
 
     from launcher.config import load_config
-    from launcher.writer import writer_process as wp
 
-    real = wp.die_with_parent
-
-    def not_this_process(parent):  # this process stands for the writer process: its encoders get the real one
-        monkeypatch.setattr(wp, "die_with_parent", real)
-
-    monkeypatch.setattr(wp, "die_with_parent", not_this_process)
-    monkeypatch.setattr(wp.os, "nice", lambda n: None)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(wp, "_OUT", {})
+    wp = _writer_process_here(monkeypatch)
     plain = types.SimpleNamespace(**OmegaConf.to_container(load_config("tiny").output, resolve=True))
     wp._start_writer(str(tmp_path), plain, 2, os.getpid())
     try:
@@ -3901,3 +3883,22 @@ def test_the_writer_processs_encoders_are_fresh_interpreters_not_copies_of_it(tm
         assert all("_WithoutPandas" not in f for f in finders), finders
     finally:
         wp._stop_encoders()
+
+
+def _writer_process_here(monkeypatch):
+    """launcher/writer/writer_process.py run in this process, standing for the writer process: its encoders get
+    the real die_with_parent, this process is not reniced, and its import hooks and streams are put back after."""
+    import sys
+
+    from launcher.writer import writer_process as wp
+
+    real = wp.die_with_parent
+
+    def not_this_process(parent):
+        monkeypatch.setattr(wp, "die_with_parent", real)
+
+    monkeypatch.setattr(wp, "die_with_parent", not_this_process)
+    monkeypatch.setattr(wp.os, "nice", lambda n: None)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(wp, "_OUT", {})
+    return wp
