@@ -2832,6 +2832,19 @@ def test_a_job_over_several_hosts_without_this_hosts_rank_or_the_first_hosts_add
     assert "'--master-addr=$MASTER_ADDR'" in torchrun
 
 
+@pytest.mark.parametrize(
+    ("nodes", "rank", "overwrite", "selected", "remote", "start", "books"),
+    [
+        (1, None, False, [0], False, "forkserver", True),
+        (1, None, False, [], False, "subprocess", True),  # nothing to generate: no worker starts
+        (1, None, True, [], False, "forkserver", True),  # run.overwrite plans again, after the fork
+        (2, "0", False, [0], False, "forkserver", True),
+        (2, "0", False, [], False, "subprocess", True),
+        (2, "1", False, None, False, "forkserver", False),  # another host: its workers always start
+        (1, None, False, [0], True, "subprocess", True),  # an object store's client is open: a fresh server
+        (2, "1", False, None, True, "subprocess", False),
+    ],
+)
 def test_the_workers_server_is_forked_early_only_where_workers_start_and_no_store_client_is_open(
     nodes, rank, overwrite, selected, remote, start, books, monkeypatch
 ):
