@@ -944,20 +944,14 @@ def test_factors_are_the_files_a_and_b_per_module_with_peft_scaling(family, lora
 def test_factors_refuse_what_would_fuse_only_in_part(loras, tmp_path):
     """A key that matches no layer, one of a component the pipeline lacks, a component none of whose keys match
     (the others still judged), DoRA: each a LoraError naming it, never a LoRA fused in part."""
-    from safetensors.torch import load_file, save_file
-
-    from launcher.worker.lora import LoraError, factors
+    from safetensors.torch import load_file
 
     model, files = loras("flux2")
     sd = load_file(str(files[0]))
     a, b = torch.zeros(4, 8), torch.zeros(8, 4)
 
     def refusal(state: dict) -> str:
-        path = tmp_path / "l.safetensors"
-        save_file(state, str(path))
-        with pytest.raises(LoraError) as e:
-            factors(_pipeline_class(model), path, str(model))
-        return str(e.value)
+        return _lora_refusal(model, tmp_path, state)
 
     extra = {"transformer.nothing_here.lora_A.weight": a, "transformer.nothing_here.lora_B.weight": b}
     assert refusal(sd | extra) == (
@@ -1795,19 +1789,15 @@ def test_factors_refuse_a_file_they_cannot_read_whole_naming_what_is_wrong(loras
     with one factor only (in either component), a lora_B bias, keys of two components none of which matches (one
     the pipeline lacks) and keys of no component are refused, never fused in part; unmatched keys are listed up to
     five."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from launcher.worker.lora import LoraError, factors, loader_class
+    from launcher.worker.lora import loader_class
 
     model, files = loras("flux2")
     sd = {k: v for k, v in load_file(str(files[0])).items()}
 
     def refusal(state: dict) -> str:
-        path = tmp_path / "l.safetensors"
-        save_file(state, str(path))
-        with pytest.raises(LoraError) as e:
-            factors(_pipeline_class(model), path, str(model))
-        return str(e.value)
+        return _lora_refusal(model, tmp_path, state)
 
     key = "transformer.transformer_blocks.0.attn.to_q"
     assert refusal(sd | {f"{key}.lora_A.weight": sd[f"{key}.lora_A.weight"].to(torch.int64)}) == (
@@ -2105,3 +2095,16 @@ def test_an_unstaged_unswept_batch_is_one_call_of_the_jobs_run_batch():
         for b, step in shard_steps(pipe, batches, load_config("tiny"), job, scales.append)
     ]
     assert got == [(batches[0], [(0, 2)]), (batches[1], [(1, 2)])] and scales == [None, None] and pipe.log == []
+
+
+def _lora_refusal(model, tmp_path, state: dict) -> str:
+    """The one line factors() refuses a LoRA file holding `state` with, for the tiny `model`."""
+    from safetensors.torch import save_file
+
+    from launcher.worker.lora import LoraError, factors
+
+    path = tmp_path / "l.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(LoraError) as e:
+        factors(_pipeline_class(model), path, str(model))
+    return str(e.value)

@@ -40,8 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported by the tests
-from mutant_verdicts import VERDICTS, Survivor, judge, parse, survivors  # noqa: E402
+from mutant_verdicts import VERDICTS, Survivor, judge, parse, survivors  # tools/, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_ROOMS = ("sources", "plan", "ids", "ledger", "checks", "sizing", "host", "publish", "worker", "writer")
@@ -73,11 +72,12 @@ def module_of(mutant: str) -> str:
     return mutant.split("__mutmut_")[0].rsplit(".", 1)[0]
 
 
-def unkilled_by_module(room: str) -> dict[str, list[str]]:
-    """The room's survived and no-test mutants, by the mutated file (relative to mutants/) that holds them."""
+def unkilled_by_module(room: str, statuses: tuple[str, ...] = ("survived", "no tests")) -> dict[str, list[str]]:
+    """The room's mutants of those statuses (survived and no-test), by the mutated file (relative to mutants/) that
+    holds them."""
     out: dict[str, list[str]] = {}
     for name, verdict in verdicts(room).items():
-        if verdict in ("survived", "no tests"):
+        if verdict in statuses:
             out.setdefault(module_of(name).replace(".", "/") + ".py", []).append(name)
     return out
 
@@ -112,11 +112,7 @@ def sample(room: str, n: int, seed: int) -> str:
 def judged_survivors(room: str) -> list[tuple[Survivor, str]]:
     """The room's survivors (survived, no tests, suspicious), each with its verdict in docs/survivors/ROOM.txt or
     ROOM.<part>.txt."""
-    names: dict[str, list[str]] = {}
-    for name, verdict in verdicts(room).items():
-        if verdict in SURVIVED:
-            names.setdefault(module_of(name).replace(".", "/") + ".py", []).append(name)
-    found = survivors(REPO / "mutants", names)
+    found = survivors(REPO / "mutants", unkilled_by_module(room, SURVIVED))
     folder, verdicts_found = REPO / "docs" / "survivors", {}
     for path in [folder / f"{room}.txt", *sorted(folder.glob(f"{room}.*.txt"))]:  # a large room's parts
         verdicts_found |= parse(path)

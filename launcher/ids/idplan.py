@@ -81,7 +81,8 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
     index = idmap.Index(store) if fresh else idmap.load(store, size)
     rows, total, legacy = index.read_shards()
     stats = {f: idmap.file_stat(f) for f in files}
-    old, again = index.files, index.data.get("reads") != _reads(src)  # rows read otherwise now: read every file
+    old, reads = index.files, _reads(src)
+    again = index.data.get("reads") != reads  # rows read otherwise now: read every file
     changed = [f for f in files if again or not _same(old.get(f), stats[f])]
     # References and kept columns are read from the top, row for row beside the rows: such a source is read whole.
     whole = bool(src.image_column or src.keep_columns or again)
@@ -91,7 +92,7 @@ def plan_ids(src, files: list[str], size: int, store, states: dict, check, fresh
     if not changed and not removed and [f for f in old] == files:
         return out
     staged = idmap.stage(index)
-    staged.data["shard_size"], staged.data["reads"] = size, _reads(src)
+    staged.data["shard_size"], staged.data["reads"] = size, reads
     try:
         new = _New(len(rows), size, _migration_caps(states, size) if not old else None)
         with idmap.reading("its runs of id hashes"):
